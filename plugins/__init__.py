@@ -1,0 +1,15 @@
+"""Sharpness-aware minimization family (SAM, VASSO, eSAM/eVASSO, ASAM, GSAM) over any
+torch optimizer.  Torch only: the fairseq and DomainBed integrations build on this.
+
+    >>> import torch
+    >>> from plugins import VASSO
+    >>> opt = VASSO(torch.nn.Linear(2, 1).parameters(), torch.optim.AdamW, rho=0.1, theta=0.4, lr=5e-4)
+    >>> type(opt.base_optimizer).__name__
+    'AdamW'
+"""
+
+from .optimizer import SAM, VASSO, SharpnessAware
+from .perturbation import frozen_running_stats
+
+__all__ = ["SAM", "VASSO", "SharpnessAware", "frozen_running_stats"]
+__version__ = "0.1.0"
