@@ -1,0 +1,172 @@
+"""Find an unmodified DomainBed checkout and adjust the few process-wide knobs
+DomainBed has no flag for (loader workers, offline ResNet weights).
+
+DomainBed is not a pip package: it is found on ``sys.path`` (``PYTHONPATH`` or the
+current directory) or in the checkout named by the environment variable
+``DOMAINBED_ROOT`` (the directory that contains the ``domainbed/`` package).
+"""
+
+import importlib.util
+import os
+import sys
+
+ENV_ROOT = "DOMAINBED_ROOT"
+ENV_WORKERS = "DOMAINBED_VASSO_NUM_WORKERS"
+ENV_WEIGHTS = "DOMAINBED_VASSO_RESNET_WEIGHTS"
+
+#: The DomainBed commit this package is tested against (docs/domainbed.md).
+TESTED_COMMIT = "b93c22a1cfc3b2428398272c1a116c8de1f4139e"
+
+
+class DomainBedNotFound(ImportError):
+    """DomainBed cannot be imported; the message says how to fix it."""
+
+
+def _how_to_fix(detail):
+    return (
+        "domainbed_vasso needs a DomainBed checkout (it is not a pip package). "
+        f"{detail}\nFix: git clone https://github.com/facebookresearch/DomainBed /path/to/DomainBed "
+        f"(tested at commit {TESTED_COMMIT[:7]}), then either\n"
+        f"    export {ENV_ROOT}=/path/to/DomainBed\n"
+        "or put /path/to/DomainBed on PYTHONPATH. DomainBed imports wilds and timm at import "
+        "time: pip install wilds timm (or this project's [domainbed] extra).")
+
+
+def domainbed_root():
+    """The directory holding the ``domainbed`` package, after making it importable.
+
+    Raises :class:`DomainBedNotFound` with instructions when there is none.
+    """
+    root = os.environ.get(ENV_ROOT)
+    if root:
+        root = os.path.abspath(os.path.expanduser(root))
+        if not os.path.isfile(os.path.join(root, "domainbed", "__init__.py")):
+            raise DomainBedNotFound(_how_to_fix(
+                f"{ENV_ROOT}={root} does not contain domainbed/__init__.py."))
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    try:
+        spec = importlib.util.find_spec("domainbed")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise DomainBedNotFound(_how_to_fix(
+            f"The package 'domainbed' is neither on sys.path nor named by {ENV_ROOT}."))
+    return os.path.dirname(os.path.abspath(list(spec.submodule_search_locations)[0]))
+
+
+def import_domainbed():
+    """Import and return ``(algorithms, hparams_registry, datasets)`` of DomainBed."""
+    root = domainbed_root()
+    try:
+        from domainbed import algorithms, datasets, hparams_registry
+    except DomainBedNotFound:
+        raise
+    except ImportError as exc:  # wilds, timm, ... missing
+        raise DomainBedNotFound(_how_to_fix(
+            f"DomainBed was found at {root} but importing it failed: {exc!r}.")) from exc
+    return algorithms, hparams_registry, datasets
+
+
+def child_pythonpath():
+    """A PYTHONPATH under which child processes find both this package and DomainBed."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    entries = [here, domainbed_root()]
+    old = os.environ.get("PYTHONPATH")
+    if old:
+        entries += [e for e in old.split(os.pathsep) if e]
+    seen, out = set(), []
+    for e in entries:
+        if e not in seen:
+            seen.add(e)
+            out.append(e)
+    return os.pathsep.join(out)
+
+
+def apply_num_workers(datasets_module, value=None):
+    """Set ``N_WORKERS`` on every DomainBed dataset class from ``DOMAINBED_VASSO_NUM_WORKERS``.
+
+    DomainBed hard-codes 8 loader workers per environment (``MultipleDomainDataset.N_WORKERS``,
+    overridden by a few subclasses) and has no flag for it. Unset: DomainBed's own values.
+    Returns the number applied, or None.
+    """
+    if value is None:
+        value = os.environ.get(ENV_WORKERS)
+    if value is None or str(value).strip() == "":
+        return None
+    try:
+        n = int(value)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{ENV_WORKERS} must be a non-negative integer, got {value!r}") from None
+    base = datasets_module.MultipleDomainDataset
+    for obj in list(vars(datasets_module).values()):
+        if isinstance(obj, type) and issubclass(obj, base):
+            obj.N_WORKERS = n
+    return n
+
+
+def apply_resnet_weights(value=None):
+    """Honour ``DOMAINBED_VASSO_RESNET_WEIGHTS`` for the ImageNet ResNets DomainBed builds.
+
+    DomainBed's ResNet featurizer calls ``torchvision.models.resnet50(pretrained=True)``
+    (resnet18 with ``hparams["resnet18"]``), which downloads
+    ``resnet50-0676ba61.pth`` into ``$TORCH_HOME/hub/checkpoints`` unless it is
+    there already. Offline, either copy the file there, or set this variable to
+
+    * a path to a torchvision ResNet state dict (``.pth``): loaded instead of the
+      download whenever DomainBed asks for pretrained weights;
+    * ``none``: build the ResNets (and timm's ``resnet50_augmix`` model) without
+      pretrained weights (smoke tests only: accuracies are meaningless).
+
+    Returns the value applied, or None when unset.
+    """
+    if value is None:
+        value = os.environ.get(ENV_WEIGHTS)
+    if not value:
+        return None
+    import torch
+    import torchvision
+
+    random_init = value.strip().lower() == "none"
+    if not random_init and not os.path.isfile(value):
+        raise FileNotFoundError(f"{ENV_WEIGHTS}={value}: no such file (give a torchvision ResNet "
+                                "state dict, or 'none' for randomly initialised backbones)")
+
+    def wrap(builder):
+        if getattr(builder, "_domainbed_vasso_wrapped", False):
+            builder = builder._domainbed_vasso_original
+
+        def build(*args, pretrained=False, weights=None, **kwargs):
+            wanted = pretrained or weights is not None
+            model = builder(*args, weights=None, **kwargs)
+            if wanted and not random_init:
+                state = torch.load(value, map_location="cpu", weights_only=True)
+                if isinstance(state, dict) and "state_dict" in state:
+                    state = state["state_dict"]
+                model.load_state_dict(state)
+            return model
+
+        build._domainbed_vasso_wrapped = True
+        build._domainbed_vasso_original = builder
+        build.__name__ = builder.__name__
+        return build
+
+    # DomainBed looks the builders up as torchvision.models.resnetXX at call time.
+    torchvision.models.resnet50 = wrap(torchvision.models.resnet50)
+    torchvision.models.resnet18 = wrap(torchvision.models.resnet18)
+    if random_init:
+        try:
+            import timm
+        except ImportError:  # pragma: no cover - DomainBed itself needs timm
+            timm = None
+        if timm is not None and not getattr(timm.create_model, "_domainbed_vasso_wrapped", False):
+            original = timm.create_model
+
+            def create_model(*args, pretrained=False, **kwargs):
+                return original(*args, pretrained=False, **kwargs)
+
+            create_model._domainbed_vasso_wrapped = True
+            timm.create_model = create_model
+    return value

@@ -1,0 +1,90 @@
+"""``python -m domainbed_vasso.sweep``: DomainBed's own ``domainbed.scripts.sweep``,
+unmodified and with exactly its flags, whose children run
+``<this interpreter> -m domainbed_vasso.train`` instead of
+``python -m domainbed.scripts.train`` (so they know SAM, GSAM and VASSO).
+
+    python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ \\
+        --datasets PACS VLCS OfficeHome TerraIncognita \\
+        --algorithms ERM SAM GSAM VASSO --command_launcher multi_gpu
+
+How: stock DomainBed builds each job's command as the string
+``python -m domainbed.scripts.train --...`` inside ``Job.__init__`` of the
+``__main__`` module, then hands the list to a launcher of
+``domainbed.command_launchers.REGISTRY``. This wrapper wraps every registered
+launcher so that it rewrites that prefix (and nothing else) before launching; the
+children inherit a PYTHONPATH that finds this package and DomainBed, and the
+``DOMAINBED_VASSO_*`` variables.
+"""
+
+import os
+import shlex
+import sys
+
+from . import _cli
+from . import hparams as _hp
+
+STOCK_PREFIX = "python -m domainbed.scripts.train"
+
+_FLAGS = {
+    "--datasets": dict(nargs="+", type=str, default=None),
+    "--algorithms": dict(nargs="+", type=str, default=None),
+    "--hparams": dict(type=str, default=None),
+}
+
+
+def child_prefix(python=None):
+    """The command prefix of the sweep's children."""
+    return f"{shlex.quote(python or sys.executable)} -m domainbed_vasso.train"
+
+
+def rewrite_command(command, python=None):
+    """``python -m domainbed.scripts.train ARGS`` -> ``<python> -m domainbed_vasso.train ARGS``."""
+    if not command.startswith(STOCK_PREFIX + " ") and command != STOCK_PREFIX:
+        raise RuntimeError(
+            f"domainbed_vasso.sweep: this DomainBed's sweep builds commands that do not start with "
+            f"{STOCK_PREFIX!r} (got {command[:80]!r}); it is not supported, see docs/domainbed.md")
+    return child_prefix(python) + command[len(STOCK_PREFIX):]
+
+
+def _rewriting(launcher):
+    if getattr(launcher, "_domainbed_vasso_wrapped", False):
+        return launcher
+
+    def launch(commands):
+        return launcher([rewrite_command(c) for c in commands])
+
+    launch._domainbed_vasso_wrapped = True
+    launch.__name__ = getattr(launcher, "__name__", "launcher")
+    launch.__doc__ = getattr(launcher, "__doc__", None)
+    return launch
+
+
+def patch_launchers():
+    """Wrap every launcher in DomainBed's ``command_launchers.REGISTRY``; idempotent."""
+    from domainbed import command_launchers
+    for name, launcher in list(command_launchers.REGISTRY.items()):
+        command_launchers.REGISTRY[name] = _rewriting(launcher)
+    return command_launchers.REGISTRY
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _cli.register_or_exit()
+    from ._locate import child_pythonpath
+    os.environ["PYTHONPATH"] = child_pythonpath()
+    patch_launchers()
+    if not any(a in ("-h", "--help") for a in argv):
+        args = _cli.known_args(argv, _FLAGS)
+        if args is not None and args.algorithms:
+            try:
+                overrides = _hp.parse_overrides(args.hparams)
+                for algorithm in args.algorithms:
+                    for dataset in args.datasets or ["PACS"]:
+                        _cli.check_hparams(algorithm, dataset, overrides)
+            except _hp.HParamError as exc:
+                _cli.fail(str(exc))
+    _cli.run_domainbed_script("domainbed.scripts.sweep", "domainbed_vasso.sweep", argv)
+
+
+if __name__ == "__main__":
+    main()

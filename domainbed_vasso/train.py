@@ -1,0 +1,44 @@
+"""``python -m domainbed_vasso.train``: DomainBed's own ``domainbed.scripts.train``,
+unmodified and with exactly its flags, after :func:`domainbed_vasso.register`.
+
+    python -m domainbed_vasso.train --data_dir ./data --dataset PACS --algorithm VASSO \\
+        --test_envs 0 --output_dir out/ --hparams '{"rho": 0.05, "theta": 0.4}'
+
+Environment: ``DOMAINBED_ROOT`` (where DomainBed is, unless on PYTHONPATH),
+``DOMAINBED_VASSO_NUM_WORKERS`` (data loader workers per environment; DomainBed's
+default is 8), ``DOMAINBED_VASSO_RESNET_WEIGHTS`` (offline ResNet weights: a .pth
+path, or ``none``). The hparams of SAM, GSAM and VASSO are checked before the data
+is loaded; a bad one stops the run with a message naming it.
+"""
+
+import sys
+
+from . import _cli
+from . import hparams as _hp
+
+_FLAGS = {
+    "--dataset": dict(type=str, default="RotatedMNIST"),
+    "--algorithm": dict(type=str, default="ERM"),
+    "--hparams": dict(type=str, default=None),
+    "--hparams_seed": dict(type=int, default=0),
+    "--trial_seed": dict(type=int, default=0),
+}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _cli.register_or_exit()
+    if not any(a in ("-h", "--help") for a in argv):
+        args = _cli.known_args(argv, _FLAGS)
+        if args is not None and args.algorithm in _hp.SPECS:
+            try:
+                overrides = _hp.parse_overrides(args.hparams)
+                _cli.check_hparams(args.algorithm, args.dataset, overrides,
+                                   args.hparams_seed, args.trial_seed)
+            except _hp.HParamError as exc:
+                _cli.fail(str(exc))
+    _cli.run_domainbed_script("domainbed.scripts.train", "domainbed_vasso.train", argv)
+
+
+if __name__ == "__main__":
+    main()
