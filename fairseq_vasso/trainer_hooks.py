@@ -1,0 +1,319 @@
+"""The second pass inside fairseq's ``Trainer.train_step``, for ``sam`` / ``vasso`` only.
+
+fairseq's optimizer never sees a closure or a sample: ``Trainer.train_step`` runs
+``task.train_step`` (forward/backward) per micro-batch of ``--update-freq``, then
+all-reduces the gradients over ranks, multiplies them by ``world_size /
+sample_size`` (and by 1/loss_scale under ``--fp16``), clips them, checks for
+overflow and calls ``optimizer.step()``.  Importing :mod:`fairseq_vasso` patches
+three methods of :class:`fairseq.trainer.Trainer`:
+
+* ``__init__``: refuses, before anything is built, the modes this plugin cannot
+  make correct (see :func:`check_config`) and bad flag values; only when
+  ``--optimizer`` is ``sam`` or ``vasso``.
+* ``train_step``: with any other optimizer it calls fairseq's own ``train_step``
+  and nothing else.  With ``sam`` / ``vasso`` it runs fairseq's own ``train_step``
+  too, with two instance-level wrappers that are removed afterwards:
+
+  1. ``task.train_step`` is wrapped to record each micro-batch call (the prepared
+     sample, ``ignore_grad``, extra arguments), the RNG state before the first
+     one (CPU, and CUDA's when initialized) and each micro-batch's loss.
+  2. ``optimizer.multiply_grads`` is wrapped: fairseq calls it once per update,
+     after the first pass's gradients were accumulated over all micro-batches and
+     all-reduced over ranks.  After fairseq's own scaling, the wrapper holds g_t
+     (under ``--fp16`` it unscales into the fp32 master gradients), and:
+
+     - g_t not finite: nothing changes (no perturbation, d_t untouched); fairseq's
+       own clip/overflow check then sees the same gradient: fp32 raises fairseq's
+       FloatingPointError, fp16 lowers the loss scale and skips the update.
+     - ``perturb()``: VASSO updates d_t, the coin (eSAM/eVASSO) is drawn from
+       ``(--seed, step)``.  If it says "one pass", ``.grad`` still holds g_t and
+       fairseq continues as usual (clip, step with g_t).
+     - else the parameters now sit at x_t + eps_t (fp16: the fp32 master copies,
+       copied into the fp16 model), the gradients are cleared, the RNG state of the
+       first pass is replayed and every recorded micro-batch runs forward/backward
+       again (``no_sync`` for all but the last, as fairseq does; BatchNorm running
+       statistics frozen), then fairseq's all-reduce and the same scaling factor
+       are applied: ``.grad`` holds h_t, exactly as fairseq would have left the
+       first pass's gradient.
+
+  fairseq's own code then clips h_t (``--clip-norm``), checks it (fp16 overflow:
+  the loss scale falls and the update is skipped; we put x_t back), and calls
+  ``optimizer.step()``, which restores x_t and lets Adam step with h_t.  The lr
+  is whatever fairseq's scheduler (e.g. ``inverse_sqrt``) set.
+
+After the update the diagnostics are logged with ``fairseq.logging.metrics`` in
+the aggregation context of the step (``train_inner`` and ``train``), so every
+log line (simple, json, tqdm, TensorBoard) carries their average over the log
+interval: ``ascent_norm`` ||eps_t||, ``loss_gap`` f(x+eps) - f(x) (the logged loss's
+units, base 2, over the whole update), ``sharpness`` rho*||v_t|| (the paper's
+estimated sharpness), ``stability`` ||eps_t - eps_{t-1}|| (paper Fig. 4),
+``two_pass`` (fraction of two-pass updates) and ``rho``.  Quantities that do not
+exist for an update (no second pass: no eps_t) are logged with weight 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+
+import torch
+from fairseq import utils
+from fairseq.logging import metrics
+from fairseq.trainer import Trainer
+
+from plugins import frozen_running_stats
+from plugins.perturbation import rng_state, set_rng_state
+
+from .optimizer import FairseqSharpnessAware, check_flags
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_NAMES = ("sam", "vasso")
+DIAGNOSTICS = ("ascent_norm", "loss_gap", "sharpness", "stability")
+
+_stock_init = getattr(Trainer.__init__, "__wrapped__", Trainer.__init__) \
+    if getattr(Trainer.__init__, "_fairseq_vasso_hook", False) else Trainer.__init__
+_stock_train_step = getattr(Trainer.train_step, "__wrapped__", Trainer.train_step) \
+    if getattr(Trainer.train_step, "_fairseq_vasso_hook", False) else Trainer.train_step
+
+
+class UnsupportedMode(ValueError):
+    """A fairseq training mode that --optimizer sam/vasso refuses."""
+
+
+def _sel(cfg, dotted, default=None):
+    node = cfg
+    for part in dotted.split("."):
+        try:
+            node = getattr(node, part)
+        except Exception:
+            return default
+        if node is None:
+            return default
+    return node
+
+
+def check_config(cfg) -> None:
+    """Refuse, with the flag's name, what ``--optimizer sam|vasso`` cannot make correct."""
+    name = _sel(cfg, "optimizer._name")
+    check_flags(cfg.optimizer)
+
+    def refuse(flag, why):
+        raise UnsupportedMode(f"--optimizer {name} does not support {flag}: {why}")
+
+    if _sel(cfg, "optimization.use_bmuf", False):
+        refuse("--use-bmuf", "BMUF averages models between ranks instead of all-reducing the gradient "
+                             "the ascent needs")
+    backend = _sel(cfg, "distributed_training.ddp_backend", "")
+    if backend == "fully_sharded":
+        refuse("--ddp-backend fully_sharded", "the ascent needs the full gradient and parameters on each rank")
+    if backend == "slowmo":
+        refuse("--ddp-backend slowmo", "SlowMo changes the parameters outside the optimizer step")
+    if _sel(cfg, "distributed_training.zero_sharding", "none") not in ("none", None):
+        refuse("--zero-sharding", "the sharded optimizer state would split d_t and the ascent norm")
+    if _sel(cfg, "common.memory_efficient_fp16", False) or _sel(cfg, "common.memory_efficient_bf16", False):
+        refuse("--memory-efficient-fp16/--memory-efficient-bf16",
+               "it keeps no fp32 master copy to perturb and restore exactly; use --fp16 "
+               "--fp16-no-flatten-grads")
+    if _sel(cfg, "common.amp", False):
+        refuse("--amp", "torch's GradScaler unscales once per step, the two-pass step needs two; "
+                        "use --fp16 --fp16-no-flatten-grads")
+    if (_sel(cfg, "common.fp16", False) or _sel(cfg, "common.bf16", False)) and not _sel(
+            cfg, "common.fp16_no_flatten_grads", False):
+        refuse("--fp16/--bf16 without --fp16-no-flatten-grads",
+               "the ascent works on per-parameter fp32 master copies; add --fp16-no-flatten-grads")
+    if _sel(cfg, "common.tpu", False):
+        refuse("--tpu", "not tested on XLA")
+    if (_sel(cfg, "common.model_parallel_size", 1) or 1) > 1:
+        refuse("--model-parallel-size > 1", "the ascent norm would be per shard, not global")
+    if _sel(cfg, "distributed_training.pipeline_model_parallel", False):
+        refuse("--pipeline-model-parallel", "not supported")
+
+
+def _sharpness_optimizer(trainer):
+    opt = trainer.optimizer  # builds it on first use, as fairseq's own train_step does
+    inner = getattr(opt, "fp32_optimizer", opt)
+    return inner if isinstance(inner, FairseqSharpnessAware) else None
+
+
+@functools.wraps(_stock_init)
+def _patched_init(self, cfg, *args, **kwargs):
+    if _sel(cfg, "optimizer._name") in OPTIMIZER_NAMES:
+        check_config(cfg)
+    _stock_init(self, cfg, *args, **kwargs)
+
+
+@functools.wraps(_stock_train_step)
+def _patched_train_step(self, samples, raise_oom=False):
+    sa = _sharpness_optimizer(self)
+    if sa is None:
+        return _stock_train_step(self, samples, raise_oom)
+    return _two_pass_train_step(self, sa, samples, raise_oom)
+
+
+class _StepContext:
+    def __init__(self):
+        self.calls = []  # (args, kwargs) of task.train_step, first pass
+        self.first_losses = []  # float loss per micro-batch (None for dummy batches)
+        self.rng = None
+        self.multiplied = False
+        self.loss_gap = float("nan")
+
+
+def _fp16_wrapper(trainer):
+    opt = trainer.optimizer
+    return opt if hasattr(opt, "fp32_optimizer") else None
+
+
+def _grads_finite(params) -> bool:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    return bool(torch.isfinite(total))
+
+
+def _loss_value(logging_output):
+    value = logging_output.get("loss") if isinstance(logging_output, dict) else None
+    if value is None:
+        return None
+    return float(value)
+
+
+def _two_pass_train_step(trainer, sa, samples, raise_oom):
+    ctx = _StepContext()
+    task = trainer.task
+    opt = trainer.optimizer
+    had_task_attr = "train_step" in vars(task)
+    had_opt_attr = "multiply_grads" in vars(opt)
+    stock_task_step = task.train_step
+    stock_multiply = opt.multiply_grads
+
+    def recording_task_step(*args, **kwargs):
+        if not ctx.calls:
+            ctx.rng = rng_state()
+        ctx.calls.append((args, kwargs))
+        out = stock_task_step(*args, **kwargs)
+        ignore = kwargs.get("ignore_grad", args[5] if len(args) > 5 else False)
+        ctx.first_losses.append(None if ignore else _loss_value(out[2]))
+        return out
+
+    def multiply_then_second_pass(c):
+        stock_multiply(c)
+        if ctx.multiplied:  # once per update; anything later is not ours
+            return
+        ctx.multiplied = True
+        _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c)
+
+    task.train_step = recording_task_step
+    opt.multiply_grads = multiply_then_second_pass
+    try:
+        out = _stock_train_step(trainer, samples, raise_oom)
+    finally:
+        if had_task_attr:
+            task.train_step = stock_task_step
+        else:
+            del task.train_step
+        if had_opt_attr:
+            opt.multiply_grads = stock_multiply
+        else:
+            del opt.multiply_grads
+        if sa.in_flight:
+            # the update was skipped (fp16 overflow on the second pass) or failed: back to x_t
+            sa.abandon()
+            fp16 = _fp16_wrapper(trainer)
+            if fp16 is not None:
+                fp16._sync_fp32_params_to_fp16()
+    if sa.last_step_taken:
+        _log_diagnostics(sa, ctx)
+    return out
+
+
+def _maybe_no_sync(trainer, i, n):
+    if (trainer.data_parallel_world_size > 1 and hasattr(trainer.model, "no_sync") and i < n - 1
+            and not trainer.is_fsdp):
+        return trainer.model.no_sync()
+    return contextlib.ExitStack()
+
+
+def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c):
+    fp16 = _fp16_wrapper(trainer)
+    if fp16 is not None:
+        # g_t into the fp32 master gradients, with fairseq's pending factor (1/loss_scale * c)
+        fp16._unscale_grads()
+    params = list(sa.params)
+    if not _grads_finite(params):
+        # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
+        return
+    if not sa.perturb():
+        return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
+    if fp16 is not None:
+        fp16._sync_fp32_params_to_fp16()
+    trainer.zero_grad()
+    set_rng_state(ctx.rng)
+    second_losses = []
+    n = len(ctx.calls)
+    core = sa.optimizer
+    core.in_second_pass = True
+    try:
+        with frozen_running_stats(trainer.model):
+            for i, (args, kwargs) in enumerate(ctx.calls):
+                with _maybe_no_sync(trainer, i, n):
+                    loss, _, logging_output = stock_task_step(*args, **kwargs)
+                    del loss
+                second_losses.append(_loss_value(logging_output))
+    finally:
+        core.in_second_pass = False
+    trainer.optimizer.all_reduce_grads(trainer.model)
+    if utils.has_parameters(trainer.criterion):
+        trainer.optimizer.all_reduce_grads(trainer.criterion)
+    stock_multiply(c)
+    ctx.loss_gap = _loss_gap(trainer, ctx.first_losses, second_losses, c)
+
+
+def _loss_gap(trainer, first, second, c):
+    """f_B(x + eps) - f_B(x) over the whole update (all micro-batches and ranks), in
+    the units fairseq logs ``loss`` in (sum / sample_size / ln 2)."""
+    pairs = [(a, b) for a, b in zip(first, second) if a is not None and b is not None]
+    local = sum(b - a for a, b in pairs) if pairs else 0.0
+    total = local
+    if trainer.data_parallel_world_size > 1:
+        from fairseq.distributed import utils as distributed_utils
+
+        t = torch.tensor([local], dtype=torch.float64, device=trainer.device)
+        t = distributed_utils.all_reduce(t, group=trainer.data_parallel_process_group)
+        total = float(t.item())
+    c = float(c)
+    # c == world_size / sample_size (fairseq's multiply_grads factor)
+    if not math.isfinite(c) or c == 0.0:
+        return float("nan")
+    sample_size = trainer.data_parallel_world_size / c
+    return total / sample_size / math.log(2)
+
+
+def _log_diagnostics(sa, ctx):
+    diag = sa.last_diagnostics
+    two_pass = float(diag.get("two_pass", 0.0))
+    values = {
+        "ascent_norm": diag.get("ascent_norm", float("nan")),
+        "loss_gap": ctx.loss_gap if two_pass else float("nan"),
+        "sharpness": diag.get("sharpness", float("nan")),
+        "stability": diag.get("stability", float("nan")),
+    }
+    for i, (key, value) in enumerate(values.items()):
+        value = float(value)
+        ok = two_pass > 0 and math.isfinite(value)
+        metrics.log_scalar(key, value if ok else float("nan"), weight=1 if ok else 0, priority=810 + i, round=5)
+    metrics.log_scalar("two_pass", two_pass, weight=1, priority=815, round=3)
+    metrics.log_scalar("rho", float(sa.optimizer.rho), weight=0, priority=816, round=5)
+
+
+_patched_init._fairseq_vasso_hook = True
+_patched_train_step._fairseq_vasso_hook = True
+# once per process, even if the package is imported under two names (--user-dir and pip)
+if not getattr(Trainer.train_step, "_fairseq_vasso_hook", False):
+    Trainer.__init__ = _patched_init
+    Trainer.train_step = _patched_train_step

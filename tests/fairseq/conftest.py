@@ -1,0 +1,217 @@
+"""Shared fixtures for the fairseq plugin tests: a generated toy de->en corpus,
+binarized once per session with fairseq-preprocess, and helpers that run real
+fairseq-train (in-process, or as subprocesses for the distributed test).
+
+Skipped as a whole when fairseq is not importable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+fairseq = pytest.importorskip("fairseq", reason="fairseq is not installed (pip install fairseq-fixed)")
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import fairseq_vasso  # noqa: E402
+
+USER_DIR = os.path.dirname(fairseq_vasso.__file__)
+
+# ------------------------------------------------------------------ toy corpus
+
+_DE_EN = {
+    # articles / function words
+    "der": "the", "die": "the", "das": "the", "ein": "a", "eine": "a", "und": "and", "nicht": "not",
+    "mit": "with", "im": "in the", "auf": "on",
+    # nouns
+    "hund": "dog", "katze": "cat", "haus": "house", "baum": "tree", "mann": "man", "frau": "woman",
+    "kind": "child", "buch": "book", "auto": "car", "stadt": "city", "garten": "garden", "tisch": "table",
+    "vogel": "bird", "apfel": "apple", "lehrer": "teacher", "freund": "friend",
+    # verbs
+    "sieht": "sees", "hat": "has", "liest": "reads", "mag": "likes", "findet": "finds", "kauft": "buys",
+    "malt": "paints", "sucht": "seeks",
+    # adjectives
+    "rote": "red", "kleine": "small", "alte": "old", "neue": "new", "gute": "good", "grosse": "big",
+}
+_ARTS = ["der", "die", "das", "ein", "eine"]
+_NOUNS = ["hund", "katze", "haus", "baum", "mann", "frau", "kind", "buch", "auto", "stadt", "garten",
+          "tisch", "vogel", "apfel", "lehrer", "freund"]
+_VERBS = ["sieht", "hat", "liest", "mag", "findet", "kauft", "malt", "sucht"]
+_ADJS = ["rote", "kleine", "alte", "neue", "gute", "grosse"]
+_PLACES = ["mit", "im", "auf"]
+
+
+def _noun_phrase(rng):
+    words = [rng.choice(_ARTS)]
+    if rng.random() < 0.5:
+        words.append(rng.choice(_ADJS))
+    words.append(rng.choice(_NOUNS))
+    return words
+
+
+def _sentence(rng):
+    de = _noun_phrase(rng) + [rng.choice(_VERBS)]
+    if rng.random() < 0.3:
+        de.append("nicht")
+    de += _noun_phrase(rng)
+    if rng.random() < 0.4:
+        de += [rng.choice(_PLACES)] + _noun_phrase(rng)[1:]
+    if rng.random() < 0.2:
+        de += ["und"] + _noun_phrase(rng) + [rng.choice(_VERBS)] + _noun_phrase(rng)
+    # English: word by word, with "not" after the verb becoming "does not" + base form is
+    # too much grammar for a toy; keep the order, translate each word.
+    en = " ".join(_DE_EN[w] for w in de)
+    return " ".join(de), en
+
+
+def write_toy_corpus(root: Path, n_train=400, n_valid=40, n_test=40, seed=0):
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        pairs = [_sentence(rng) for _ in range(n)]
+        (root / f"{split}.de").write_text("".join(de + "\n" for de, _ in pairs))
+        (root / f"{split}.en").write_text("".join(en + "\n" for _, en in pairs))
+    return root
+
+
+def binarize(raw: Path, dest: Path):
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    parser = options.get_preprocessing_parser()
+    args = parser.parse_args([
+        "--source-lang", "de", "--target-lang", "en",
+        "--trainpref", str(raw / "train"), "--validpref", str(raw / "valid"), "--testpref", str(raw / "test"),
+        "--destdir", str(dest), "--workers", "1", "--joined-dictionary",
+    ])
+    preprocess.main(args)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory):
+    """Binarized toy de->en corpus (400/40/40 sentence pairs)."""
+    base = tmp_path_factory.mktemp("toy")
+    raw = write_toy_corpus(base / "raw")
+    return binarize(raw, base / "bin")
+
+
+# ------------------------------------------------------------------ training
+
+def model_args(data, save_dir, *, optimizer="vasso", max_update=8, extra=()):
+    """fairseq-train arguments of the stock AdamW recipe on a tiny transformer."""
+    args = [
+        str(data), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "de", "--target-lang", "en",
+        "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+        "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+        "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+        "--share-decoder-input-output-embed", "--dropout", "0.1",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--optimizer", optimizer, "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.0001",
+        "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
+        "--max-tokens", "400", "--max-update", str(max_update), "--seed", "3",
+        "--cpu", "--num-workers", "0", "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+        "--log-format", "json", "--log-interval", "1",
+    ]
+    return args + list(extra)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append((record.name, record.getMessage()))
+
+
+class TrainResult:
+    def __init__(self, records, save_dir):
+        self.records = records
+        self.save_dir = Path(save_dir)
+
+    def stats(self, tag):
+        """The JSON stats lines fairseq logged under ``tag`` (train_inner, train, valid)."""
+        out = []
+        for name, msg in self.records:
+            if name == tag and msg.startswith("{"):
+                out.append(json.loads(msg))
+        return out
+
+    def inner(self):
+        return self.stats("train_inner")
+
+    def losses(self):
+        return [float(s["loss"]) for s in self.inner()]
+
+    def text(self):
+        return "\n".join(f"{n} | {m}" for n, m in self.records)
+
+
+def train(argv):
+    """Run fairseq-train in this process (as fairseq_cli.train.cli_main does)."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq_cli import train as train_cli
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, input_args=list(argv))
+    cfg = convert_namespace_to_omegaconf(args)
+    cap = _Capture()
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(cap)
+    root.setLevel(logging.INFO)
+    try:
+        distributed_utils.call_main(cfg, train_cli.main)
+    finally:
+        root.removeHandler(cap)
+        root.setLevel(old_level)
+    save_dir = argv[argv.index("--save-dir") + 1] if "--save-dir" in argv else "checkpoints"
+    return TrainResult(cap.records, save_dir)
+
+
+def load_checkpoint(path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def run_cli(module, argv, *, env=None, timeout=300):
+    """Run ``python -m module argv`` from the repository root; returns CompletedProcess."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        full_env.update(env)
+    return subprocess.run([sys.executable, "-m", module, *argv], cwd=str(REPO), env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def fs():
+    """Helpers as a namespace (test modules cannot import conftest under importlib mode)."""
+
+    class NS:
+        pass
+
+    ns = NS()
+    ns.model_args = model_args
+    ns.train = train
+    ns.load_checkpoint = load_checkpoint
+    ns.run_cli = run_cli
+    ns.USER_DIR = USER_DIR
+    ns.REPO = REPO
+    return ns
