@@ -68,6 +68,10 @@ def _check_number(name: str, value: Any, low: float, high: float, *, low_open: b
     return v
 
 
+def _as_float(x) -> float:
+    return float(x.detach()) if torch.is_tensor(x) else float(x)
+
+
 class SharpnessAware(torch.optim.Optimizer):
     r"""Sharpness-aware minimization over any torch optimizer.
 
@@ -399,7 +403,7 @@ class SharpnessAware(torch.optim.Optimizer):
                     second = closure()
                 self.in_second_pass = False
                 if loss is not None and second is not None:
-                    self.diagnostics["loss_gap"] = float(second.detach()) - float(loss.detach())
+                    self.diagnostics["loss_gap"] = _as_float(second) - _as_float(loss)
         except BaseException:
             self.abandon()
             raise

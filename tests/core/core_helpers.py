@@ -1,0 +1,53 @@
+"""Small models and data shared by the core tests."""
+
+import torch
+
+from plugins import SAM, VASSO
+
+
+def make_model(seed: int = 0, dropout: float = 0.0, batchnorm: bool = False) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(6, 16)]
+    if batchnorm:
+        layers.append(torch.nn.BatchNorm1d(16))
+    layers += [torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3)]
+    return torch.nn.Sequential(*layers)
+
+
+def make_batches(n: int, seed: int = 1, batch: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]
+
+
+def closure_for(opt, model, x, y):
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return closure
+
+
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in params])
+
+
+VARIANTS = {
+    "SAM": (SAM, {}),
+    "ASAM": (SAM, {"adaptive": True}),
+    "GSAM": (SAM, {"gsam_alpha": 0.3}),
+    "eSAM": (SAM, {"p": 0.5}),
+    "VASSO": (VASSO, {}),
+    "eVASSO": (VASSO, {"p": 0.5}),
+    "V+G": (VASSO, {"gsam_alpha": 0.3}),
+    "adaptive eVASSO": (VASSO, {"adaptive": True, "p": 0.5}),
+}
+
+
+def build(kind: str, params, base=torch.optim.AdamW, **kw):
+    """The family by name, as the parametrized tests use it; ``kw`` overrides."""
+    cls, knobs = VARIANTS[kind]
+    return cls(params, base, **{**knobs, **kw})
+
+
+FAMILY = list(VARIANTS)
