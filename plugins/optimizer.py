@@ -268,17 +268,15 @@ class SharpnessAware(torch.optim.Optimizer):
                 torch._foreach_copy_(slopes, grads)
             slope_norm = grad_norm
         else:  # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
-            fresh = [q for q in params if "slope" not in self.state[q]]
+            fresh_ids = {id(q) for q in params if "slope" not in self.state[q]}
             slopes = self._buffers(params, "slope", grads)  # new entries start at d_0 = g_0
+            update = [(d, g) for q, d, g in zip(params, slopes, grads) if id(q) not in fresh_ids]
             inner_prev = None
             if scalar_stability and self._previous is not None:
-                old = [(d, g) for q, d, g in zip(params, slopes, grads) if q not in fresh]
                 # <d_t, d_{t-1}> = (1 - theta) ||d_{t-1}||^2 + theta <g_t, d_{t-1}>
-                gd = P.dot([g for _, g in old], [d for d, _ in old])
+                gd = P.dot([g for _, g in update], [d for d, _ in update])
                 prev_norm = self._previous["slope_norm"]
                 inner_prev = (1.0 - self.theta) * prev_norm * prev_norm + self.theta * gd
-            fresh_ids = {id(q) for q in fresh}
-            update = [(d, g) for q, d, g in zip(params, slopes, grads) if id(q) not in fresh_ids]
             if update:
                 P.update_moving_average([d for d, _ in update], [g for _, g in update], self.theta)
             slope_norm = float(P.global_norm(slopes))

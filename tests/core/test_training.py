@@ -345,3 +345,23 @@ def test_every_member_trains(kind):
             first = loss if first is None else first
     assert loss < 0.7 * first
     assert torch.isfinite(flat(model.parameters())).all()
+
+
+@pytest.mark.parametrize("kind", FAMILY)
+def test_a_parameter_that_starts_receiving_gradients_late(kind):
+    """A parameter unused for the first steps (grad None) joins later: no crash, and its
+    slope starts at its own first gradient."""
+    model = make_model()
+    late = model[3].bias
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.1, seed=4)
+    for i, (x, y) in enumerate(make_batches(8)):
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if i < 3:
+                late.grad = None
+            return loss
+        opt.step(closure)
+        assert torch.isfinite(flat(model.parameters())).all()
+    assert "slope" in opt.state[late] or kind in ("ASAM",) or opt.theta is None
