@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Test BLEU of fairseq checkpoints, per seed and mean ± std per method, beside the paper.
+
+For every checkpoint this runs fairseq's own generator::
+
+    fairseq-generate DATA --path CKPT --gen-subset test --beam 5 --remove-bpe \\
+        --required-batch-size-multiple 1 --batch-size 128 --user-dir fairseq_vasso \\
+        --results-path CKPT_DIR/generate-test
+
+(``--required-batch-size-multiple 1``: otherwise fairseq-generate can silently drop
+sentences; this script checks that every sentence of the subset was translated.
+``--user-dir``: importing fairseq_vasso allow-lists ``argparse.Namespace`` so the
+checkpoint loads with torch's ``weights_only`` protection on.) It then reports
+
+* **fairseq BLEU**: the ``BLEU4`` that fairseq-generate prints, i.e. tokenized BLEU
+  on the (Moses-tokenized, lowercased, BPE-removed) text: the number the paper's
+  table and fairseq's README report;
+* **sacreBLEU**: ``sacrebleu.corpus_bleu`` (13a tokenization, its defaults) on
+  detokenized text: the hypotheses (``H-`` lines) and the references (``T-`` lines,
+  or ``--ref-file``, a tokenized reference such as
+  ``data/iwslt14.tokenized.de-en/tmp/test.en``, which avoids the ``<unk>`` that
+  binarized references can contain) are detokenized with sacremoses'
+  ``MosesDetokenizer`` first. IWSLT-14 as prepared by fairseq is lowercased, so
+  this is lowercase sacreBLEU; it is not comparable with published cased scores.
+
+Checkpoints: ``--runs RUNS`` finds ``RUNS/<method>/seed<k>/CHECKPOINT`` (the recipe's
+layout); ``--checkpoint METHOD=PATH`` (repeatable) names them one by one. Methods
+with a row in the paper's table (adamw, sam, asam, vasso0.9, vasso0.4) show the
+paper's BLEU beside them. The table is markdown; ``--json`` also writes every number.
+
+Usage::
+
+    python scripts/eval_bleu.py data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import struct
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import nmt_common  # noqa: E402
+from nmt_common import METHODS  # noqa: E402
+
+BLEU_LINE = re.compile(r"^Generate (\S+) with beam=(\d+): BLEU4 = ([0-9.]+)")
+
+
+# ---------------------------------------------------------------- generate
+def generate_command(data, checkpoint, results_dir, *, subset="test", beam=5, batch_size=128,
+                     user_dir=None, cpu=None, extra=()):
+    cmd = [nmt_common.fairseq_bin("fairseq-generate"), data, "--path", checkpoint,
+           "--gen-subset", subset, "--beam", str(beam), "--remove-bpe",
+           "--required-batch-size-multiple", "1", "--batch-size", str(batch_size),
+           "--user-dir", user_dir or nmt_common.default_user_dir(), "--results-path", results_dir]
+    if cpu is None:
+        cpu = not _cuda_available()
+    if cpu:
+        cmd.append("--cpu")
+    return cmd + list(extra)
+
+
+def _cuda_available():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def dataset_size(data, subset, src=None, tgt=None):
+    """Number of sentences in a binarized fairseq subset (read from its .idx header), or None."""
+    names = sorted(n for n in os.listdir(data) if n.startswith(subset + ".") and n.endswith(".idx"))
+    if src and tgt:
+        names = [n for n in names if n == "%s.%s-%s.%s.idx" % (subset, src, tgt, src)] or names
+    for name in names:
+        with open(os.path.join(data, name), "rb") as f:
+            head = f.read(9 + 8 + 1 + 8)
+        if head[:9] == b"MMIDIDX\x00\x00":
+            return struct.unpack("<Q", head[18:26])[0]
+    return None
+
+
+def parse_generate(path):
+    """Parses a fairseq-generate output file.
+
+    Returns dict(hyps, refs, srcs: lists ordered by sentence id; bleu: fairseq's BLEU4
+    (None if absent); bleu_line; subset; beam).
+    """
+    hyps, refs, srcs = {}, {}, {}
+    bleu = bleu_line = subset = beam = None
+    with open(path, encoding="utf-8", newline="\n") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line.startswith("H-"):
+                sid, _score, text = (line.split("\t", 2) + ["", ""])[:3]
+                hyps[int(sid[2:])] = text
+            elif line.startswith("T-"):
+                sid, text = (line.split("\t", 1) + [""])[:2]
+                refs[int(sid[2:])] = text
+            elif line.startswith("S-"):
+                sid, text = (line.split("\t", 1) + [""])[:2]
+                srcs[int(sid[2:])] = text
+            else:
+                m = BLEU_LINE.match(line)
+                if m:
+                    subset, beam, bleu = m.group(1), int(m.group(2)), float(m.group(3))
+                    bleu_line = line
+    ids = sorted(hyps)
+    return {"ids": ids, "hyps": [hyps[i] for i in ids], "refs": [refs.get(i, "") for i in ids],
+            "srcs": [srcs.get(i, "") for i in ids], "bleu": bleu, "bleu_line": bleu_line,
+            "subset": subset, "beam": beam}
+
+
+def detokenize(lines, lang="en"):
+    from sacremoses import MosesDetokenizer
+
+    md = MosesDetokenizer(lang=lang)
+    return [md.detokenize(line.split()) for line in lines]
+
+
+def sacrebleu_score(hyps, refs, lang="en"):
+    """sacreBLEU (13a) on detokenized hypotheses and references; returns (score, signature)."""
+    import sacrebleu
+
+    metric = sacrebleu.metrics.BLEU()
+    result = metric.corpus_score(detokenize(hyps, lang), [detokenize(refs, lang)])
+    return result.score, str(metric.get_signature())
+
+
+def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=128, user_dir=None,
+                        cpu=None, lang="en", ref_file=None, results_dir=None, extra=()):
+    """Runs fairseq-generate on one checkpoint and scores it; returns a dict of results."""
+    results_dir = results_dir or os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "generate-" + subset)
+    cmd = generate_command(data, checkpoint, results_dir, subset=subset, beam=beam, batch_size=batch_size,
+                           user_dir=user_dir, cpu=cpu, extra=extra)
+    log = os.path.join(results_dir, "generate.log")
+    rc = nmt_common.run_logged(cmd, log)
+    out_file = os.path.join(results_dir, "generate-%s.txt" % subset)
+    if rc != 0 or not os.path.exists(out_file):
+        raise RuntimeError("fairseq-generate failed (exit status %d) on %s:\n%s" % (rc, checkpoint, nmt_common.tail(log)))
+    parsed = parse_generate(out_file)
+    if parsed["bleu"] is None:
+        raise RuntimeError("no 'Generate %s with beam=...: BLEU4 = ...' line in %s" % (subset, out_file))
+    expected = dataset_size(data, subset)
+    if expected is not None and len(parsed["hyps"]) != expected:
+        raise RuntimeError("%s: %d hypotheses for %d sentences in %s/%s" % (out_file, len(parsed["hyps"]),
+                                                                              expected, data, subset))
+    refs = parsed["refs"]
+    if ref_file:
+        with open(ref_file, encoding="utf-8", newline="\n") as f:
+            all_refs = f.read().split("\n")
+        refs = [all_refs[i] for i in parsed["ids"]]
+    sacre, signature = sacrebleu_score(parsed["hyps"], refs, lang)
+    return {"checkpoint": checkpoint, "output": out_file, "n": len(parsed["hyps"]), "fairseq_bleu": parsed["bleu"],
+            "fairseq_bleu_line": parsed["bleu_line"], "sacrebleu": sacre, "sacrebleu_signature": signature}
+
+
+# ---------------------------------------------------------------- runs and the table
+def find_runs(runs, checkpoint_name="checkpoint_best.pt"):
+    """[(method, seed, path)] for RUNS/<method>/seed<k>/CHECKPOINT, methods in the paper's order."""
+    found = []
+    if not os.path.isdir(runs):
+        return found
+    for method in os.listdir(runs):
+        mdir = os.path.join(runs, method)
+        if not os.path.isdir(mdir):
+            continue
+        for sdir in os.listdir(mdir):
+            m = re.fullmatch(r"seed(\d+)", sdir)
+            path = os.path.join(mdir, sdir, checkpoint_name)
+            if m and os.path.exists(path):
+                found.append((method, int(m.group(1)), path))
+    return sorted(found, key=lambda r: (method_order(r[0]), r[0], r[1]))
+
+
+def method_order(name):
+    names = list(METHODS)
+    return names.index(name) if name in names else len(names)
+
+
+def mean_std(values):
+    """(mean, sample std or None for a single value)."""
+    if not values:
+        return None, None
+    if len(values) == 1:
+        return values[0], None
+    return statistics.mean(values), statistics.stdev(values)
+
+
+def fmt_mean_std(values):
+    mean, std = mean_std(values)
+    if mean is None:
+        return "-"
+    if std is None:
+        return "%.2f" % mean
+    return "%.2f ± %.2f" % (mean, std)
+
+
+def markdown_table(results, paper_column=True, title=None):
+    """results: [{method, seed, fairseq_bleu, sacrebleu, ...}] -> markdown table (str)."""
+    by_method = {}
+    for r in results:
+        by_method.setdefault(r["method"], []).append(r)
+    lines = []
+    if title:
+        lines += ["### " + title, ""]
+    head = ["Method"]
+    if paper_column:
+        head.append("paper BLEU (IWSLT-14)")
+    head += ["fairseq BLEU", "sacreBLEU", "seeds", "per seed: fairseq / sacreBLEU"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join(["---"] * len(head)) + "|")
+    for method in sorted(by_method, key=lambda m: (method_order(m), m)):
+        rows = sorted(by_method[method], key=lambda r: r["seed"])
+        label = METHODS[method].label if method in METHODS else method
+        cells = [label]
+        if paper_column:
+            cells.append("%.2f" % METHODS[method].paper_bleu if method in METHODS else "-")
+        cells.append(fmt_mean_std([r["fairseq_bleu"] for r in rows]))
+        cells.append(fmt_mean_std([r["sacrebleu"] for r in rows]))
+        cells.append(str(len(rows)))
+        cells.append(", ".join("s%d: %.2f / %.2f" % (r["seed"], r["fairseq_bleu"], r["sacrebleu"]) for r in rows))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("data", help="binarized data directory (fairseq-preprocess --destdir)")
+    p.add_argument("--runs", help="recipe layout: RUNS/<method>/seed<k>/CHECKPOINT")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="METHOD=PATH",
+                   help="a checkpoint to score as METHOD (repeatable; seed from a seed<k> folder, else 1, 2, ...)")
+    p.add_argument("--checkpoint-name", default="checkpoint_best.pt")
+    p.add_argument("--subset", default="test")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--user-dir", default=None, help="fairseq_vasso folder (default: the repository's or installed one)")
+    p.add_argument("--lang", default="en", help="target language, for Moses detokenization")
+    p.add_argument("--ref-file", help="tokenized plain-text reference for sacreBLEU (default: the T- lines)")
+    p.add_argument("--cpu", action="store_true", default=None, help="force --cpu (default: when CUDA is absent)")
+    p.add_argument("--jobs", type=int, default=1, help="fairseq-generate processes at once")
+    p.add_argument("--no-paper", action="store_true", help="leave out the paper's column")
+    p.add_argument("--title", default=None)
+    p.add_argument("--out", help="also write the markdown table here")
+    p.add_argument("--json", help="also write every number here")
+    a = p.parse_args(argv)
+
+    todo = []
+    if a.runs:
+        todo += find_runs(a.runs, a.checkpoint_name)
+    counters = {}
+    for spec in a.checkpoint:
+        if "=" not in spec:
+            p.error("--checkpoint takes METHOD=PATH, got %r" % spec)
+        method, path = spec.split("=", 1)
+        m = re.search(r"seed(\d+)", path)
+        counters[method] = counters.get(method, 0) + 1
+        todo.append((method, int(m.group(1)) if m else counters[method], path))
+    if not todo:
+        p.error("no checkpoints: give --runs (with RUNS/<method>/seed<k>/%s) or --checkpoint" % a.checkpoint_name)
+
+    def one(job):
+        method, seed, path = job
+        r = evaluate_checkpoint(a.data, path, subset=a.subset, beam=a.beam, batch_size=a.batch_size,
+                                user_dir=a.user_dir, cpu=a.cpu, lang=a.lang, ref_file=a.ref_file)
+        r.update(method=method, seed=seed)
+        print("%s seed %d: fairseq BLEU %.2f, sacreBLEU %.2f (%d sentences) %s"
+              % (method, seed, r["fairseq_bleu"], r["sacrebleu"], r["n"], path), flush=True)
+        return r
+
+    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        results = list(pool.map(one, todo))
+    table = markdown_table(results, paper_column=not a.no_paper, title=a.title)
+    note = ("\nfairseq BLEU: tokenized BLEU4 from fairseq-generate --beam %d --remove-bpe; sacreBLEU: %s on "
+            "Moses-detokenized text.\n" % (a.beam, results[0]["sacrebleu_signature"]))
+    print()
+    print(table + note)
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            f.write(table + note)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    bad = [r for r in results if not math.isfinite(r["fairseq_bleu"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
