@@ -21,6 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, List
 
+import torch
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import Adam as _FairseqAdam
@@ -139,6 +140,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
         check_flags(cfg)
         self._optimizer = self.core_class(params, _FairseqAdam, **self._core_kwargs(), **self.optimizer_config)
         self._in_flight = False  # perturb() called, descend()/abandon() not yet
+        self._anchor = self._anchor_params = None  # exact copy of x_t (--fp16)
         self.last_step_taken = False
         self.last_diagnostics = {}
 
@@ -166,22 +168,40 @@ class FairseqSharpnessAware(FairseqOptimizer):
     def in_flight(self) -> bool:
         return self._in_flight
 
-    def perturb(self) -> bool:
-        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``)."""
+    def perturb(self, exact_restore: bool = False) -> bool:
+        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``).
+
+        ``exact_restore``: keep a copy of x_t and restore from it, bit for bit (used
+        under ``--fp16``, where these parameters are the fp32 master copies; the
+        core's plain-geometry restore of fp32 tensors subtracts the ascent it added,
+        which is exact only up to one rounding).
+        """
         self.last_step_taken = False
         self._in_flight = True
+        params = [p for p in self.params if p.grad is not None]
+        self._anchor = [p.detach().clone() for p in params] if exact_restore else None
+        self._anchor_params = params if exact_restore else None
         try:
-            return self._optimizer.perturb()
+            two_pass = self._optimizer.perturb()
+            if not two_pass:
+                self._anchor = self._anchor_params = None  # nothing moved
+            return two_pass
         except BaseException:
             self.abandon()
             raise
 
     def restore(self) -> None:
+        """Put x_t back (idempotent)."""
         self._optimizer.restore()
+        if getattr(self, "_anchor", None) is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self._anchor_params, self._anchor)
+            self._anchor = self._anchor_params = None
 
     def abandon(self) -> None:
         """Restore x_t and drop the step in flight (the host skipped the update)."""
         if self._in_flight:
+            self.restore()
             self._optimizer.abandon()
         self._in_flight = False
 
@@ -197,6 +217,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
         if scale != 1.0:
             self.multiply_grads(1.0 / scale)
         self._in_flight = False
+        self.restore()  # exact under --fp16; descend()'s own restore is then a no-op
         self.last_step_taken = self._optimizer.descend()
         self.last_diagnostics = dict(self._optimizer.diagnostics)
 
