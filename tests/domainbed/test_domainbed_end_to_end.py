@@ -8,70 +8,13 @@ batch size must stay <= 13 or DomainBed's loader never yields a batch (hangs).
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SKIP_REASON = ("DomainBed not importable: set DOMAINBED_ROOT to a DomainBed checkout "
-               "(git clone https://github.com/facebookresearch/DomainBed; tested at b93c22a) "
-               "and pip install wilds timm")
+from domainbed_testlib import DOMAINBED, PY, ROOT, SKIP_REASON, STEPS, run_all, train_cmd
 
-
-def _domainbed_root():
-    try:
-        import domainbed_vasso
-        from domainbed_vasso import _locate
-        _locate.import_domainbed()
-        return domainbed_vasso.domainbed_root()
-    except ImportError as exc:
-        return None
-
-
-DOMAINBED = _domainbed_root()
 pytestmark = pytest.mark.skipif(DOMAINBED is None, reason=SKIP_REASON)
-
-PY = sys.executable
-STEPS = 5
 IGNORED = {"step_time", "mem_gb", "args", "hparams"}
-
-
-def env(**extra):
-    e = dict(os.environ)
-    e.update(DOMAINBED_ROOT=DOMAINBED or "", DOMAINBED_VASSO_NUM_WORKERS="0", OMP_NUM_THREADS="1",
-             PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    e.update(extra)
-    return e
-
-
-def train_cmd(out, algorithm, hparams, steps=STEPS, dataset="Debug28", seed=1, extra=()):
-    return [PY, "-m", "domainbed_vasso.train", "--dataset", dataset, "--algorithm", algorithm,
-            "--test_envs", "0", "--steps", str(steps), "--checkpoint_freq", "2", "--seed", str(seed),
-            "--output_dir", str(out), "--hparams", json.dumps(hparams), *extra]
-
-
-def run_all(cmds, parallel=2, timeout=600, **env_extra):
-    """Run commands, ``parallel`` at a time; return their CompletedProcess-like results."""
-    pending, running, done = list(enumerate(cmds)), [], {}
-    start = time.time()
-    while pending or running:
-        while pending and len(running) < parallel:
-            i, cmd = pending.pop(0)
-            running.append((i, subprocess.Popen(cmd, cwd=ROOT, env=env(**env_extra), text=True,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
-        for item in list(running):
-            i, proc = item
-            if proc.poll() is not None:
-                done[i] = (proc.returncode, proc.stdout.read())
-                running.remove(item)
-        if time.time() - start > timeout:
-            for _, proc in running:
-                proc.kill()
-            raise TimeoutError(f"commands did not finish in {timeout}s")
-        time.sleep(0.1)
-    return [done[i] for i in range(len(cmds))]
 
 
 def records(out):
@@ -178,18 +121,39 @@ def test_sweep_children_know_vasso_and_collect_results_reads_it(tmp_path):
         assert os.path.exists(out / d / "done"), d
         algs.add(records(out / d)[-1]["args"]["algorithm"])
     assert algs == {"ERM", "VASSO"}
-    [(code, table)] = run_all([[PY, "-m", "domainbed.scripts.collect_results", "--input_dir", str(out)]])
-    assert code == 0, table
-    assert "Total records: 12" in table
+    table = in_process("domainbed.scripts.collect_results", ["--input_dir", str(out)])
+    assert "Total records: 6" in table  # 6 runs x 1 checkpoint (--steps 1)
     iid = table.split("model selection method: training-domain validation set")[1].split("--------")[0]
     rows = {line.split()[0]: line.split()[1:] for line in iid.strip().splitlines()[1:]}
     assert set(rows) == {"ERM", "VASSO"}
     assert "X" not in rows["VASSO"]
     # and our own tables script reads the same sweep
-    [(code, mine)] = run_all([[PY, os.path.join(ROOT, "scripts", "domainbed_tables.py"), str(out),
-                               "--selection", "iid"]])
-    assert code == 0, mine
-    assert "Debug28" in mine and "VASSO" in mine
+    mine = in_process(os.path.join(ROOT, "scripts", "domainbed_tables.py"), [str(out), "--selection", "iid"])
+    assert "### Debug28, model selection: training-domain validation set" in mine
+    assert "| Test domain | ERM | VASSO |" in mine
+    assert "selection by DomainBed's model_selection" in mine
+
+
+def in_process(script, argv):
+    """Run a DomainBed script module (or a script path) as __main__ here; its stdout."""
+    import io
+    import runpy
+    import sys
+    saved = sys.argv, sys.stdout, sys.stderr
+    buf = io.StringIO()
+    tee = None
+    try:
+        sys.argv, sys.stdout = [script] + argv, buf
+        if script.endswith(".py"):
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+    finally:
+        tee = sys.stdout
+        sys.argv, sys.stdout, sys.stderr = saved
+        if tee is not buf and hasattr(tee, "file"):  # collect_results tees into results.txt
+            tee.file.close()
+    return buf.getvalue()
 
 
 def test_one_vasso_step_on_debug224_resnet50_without_weights(tmp_path):

@@ -1,0 +1,93 @@
+"""The entry points without DomainBed (clear error), and the paper's sweep recipe
+(DomainBed's dummy launcher: prints the children's commands, runs nothing)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("DOMAINBED_ROOT", "PYTHONPATH")}
+    env["PYTHONPATH"] = ROOT
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("module", ["domainbed_vasso.train", "domainbed_vasso.sweep"])
+def test_missing_domainbed_says_how_to_fix(module, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", module, "--algorithm", "VASSO"], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode == 0 or "needs a DomainBed checkout" not in proc.stderr:
+        # DomainBed is installed in site-packages: nothing to test here
+        pytest.skip("DomainBed is importable without DOMAINBED_ROOT")
+    assert proc.returncode == 2
+    assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_domainbed_root_is_named(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.train"], cwd=tmp_path,
+                          env=clean_env(DOMAINBED_ROOT=str(tmp_path / "nowhere")),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"DOMAINBED_ROOT={tmp_path / 'nowhere'} does not contain domainbed/__init__.py" in proc.stderr
+
+
+def test_register_without_domainbed_raises_domainbed_not_found(monkeypatch, tmp_path):
+    import domainbed_vasso
+    from domainbed_vasso import _locate
+    monkeypatch.setenv("DOMAINBED_ROOT", str(tmp_path))
+    with pytest.raises(domainbed_vasso.DomainBedNotFound, match="DOMAINBED_ROOT"):
+        domainbed_vasso.register()
+    assert issubclass(_locate.DomainBedNotFound, ImportError)
+
+
+def test_paper_recipe_launches_the_four_datasets_with_torchvision_resnet(tmp_path):
+    from domainbed_testlib import DOMAINBED, SKIP_REASON
+    if DOMAINBED is None:
+        pytest.skip(SKIP_REASON)
+    env = clean_env(DOMAINBED_ROOT=DOMAINBED, DATA_DIR=str(tmp_path / "data"),
+                    OUTPUT_DIR=str(tmp_path / "sweep"), LAUNCHER="dummy", N_HPARAMS="1",
+                    N_TRIALS="1", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "domainbed_paper_sweep.sh"), "launch",
+                           "--skip_confirmation"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    commands = [line[len("Dummy launcher: "):] for line in proc.stdout.splitlines()
+                if line.startswith("Dummy launcher: ")]
+    # 4 datasets x 4 algorithms x (4 single + 6 pairs of test envs) x 1 hparam x 1 trial
+    assert len(commands) == 160
+    for c in commands:
+        assert c.startswith(f"{sys.executable} -m domainbed_vasso.train ")
+        assert "--hparams '{\"resnet50_augmix\": false, \"freeze_bn\": true}'" in c
+    for name in ("PACS", "VLCS", "OfficeHome", "TerraIncognita"):
+        assert sum(f"--dataset {name} " in c for c in commands) == 40
+    for alg in ("ERM", "SAM", "GSAM", "VASSO"):
+        assert sum(c.split("--algorithm ")[1].startswith(alg + " ") for c in commands) == 40
+
+
+def test_resnet_weights_variable(monkeypatch, tmp_path):
+    import torch
+    import torchvision
+
+    from domainbed_vasso import _locate
+    # let monkeypatch undo what apply_resnet_weights does to torchvision
+    monkeypatch.setattr(torchvision.models, "resnet18", torchvision.models.resnet18)
+    monkeypatch.setattr(torchvision.models, "resnet50", torchvision.models.resnet50)
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18()
+    path = tmp_path / "r18.pth"
+    torch.save(reference.state_dict(), path)
+    assert _locate.apply_resnet_weights(str(path)) == str(path)
+    loaded = torchvision.models.resnet18(pretrained=True)  # DomainBed's call; no download
+    for k, v in reference.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    fresh = torchvision.models.resnet18()  # not asked for weights: random init as usual
+    assert not torch.equal(fresh.conv1.weight, reference.conv1.weight)
+    with pytest.raises(FileNotFoundError, match="DOMAINBED_VASSO_RESNET_WEIGHTS"):
+        _locate.apply_resnet_weights(str(tmp_path / "missing.pth"))
+    assert _locate.apply_resnet_weights("") is None
