@@ -1,0 +1,351 @@
+#!/usr/bin/env python
+"""Plot what the sharpness-aware optimizers log: the stability of the adversary and the perturbed-loss gap.
+
+Reads any mix of
+
+* fairseq-train logs (the console output or ``--log-file``) with ``--log-format
+  simple`` or ``--log-format json``; the ``train_inner`` lines carry, averaged over
+  ``--log-interval``: ``stability`` (||eps_t - eps_{t-1}||), ``loss_gap``
+  (f(x + eps) - f(x), base 2 like fairseq's ``loss``), ``sharpness`` (rho ||v_t||),
+  ``ascent_norm``, ``two_pass``, ``rho``.  (``--log-format tqdm`` writes no
+  ``train_inner`` lines to the log: use simple or json.)
+* DomainBed ``results.jsonl`` (``python -m domainbed_vasso.train``): one record per
+  checkpoint with ``step`` and the same keys averaged since the previous checkpoint
+  (``loss_gap`` there is in nats).
+
+and writes one PNG with two panels over updates: ||eps_t - eps_{t-1}|| for every run
+on the same axes (the paper's Fig. 4: VASSO's adversary moves less than SAM's) and
+the perturbed-loss gap.  Runs are labelled from what the log says (optimizer, theta,
+perturb probability, rho), or ``label=path`` on the command line::
+
+    python scripts/plot_diagnostics.py runs/sam/train.log runs/vasso/train.log -o diagnostics.png
+    python scripts/plot_diagnostics.py SAM=sweep/a/results.jsonl VASSO=sweep/b/results.jsonl -o db.png
+
+It also prints a small table (median stability and loss gap per run).  Matplotlib
+with the Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+DIAGNOSTIC_KEYS = ("stability", "loss_gap", "sharpness", "ascent_norm", "two_pass", "rho")
+
+_TAG_RE = re.compile(r"\|\s*(train_inner|train|valid|valid_\w+|test)\s*\|\s?(.*)$")
+_INNER_PREFIX_RE = re.compile(r"^epoch\s+\d+:\s+\d+\s*/\s*\d+\s+")
+_OPT_RE = re.compile(r"'optimizer':\s*\{'_name':\s*'(\w+)'([^}]*)\}")
+_NUM_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(nan|inf)$", re.IGNORECASE)
+
+
+def _num(v):
+    """fairseq writes numbers as strings in its json lines: back to float where possible."""
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and _NUM_RE.match(v.strip()):
+        return float(v)
+    return v
+
+
+# --------------------------------------------------------------------------- fairseq logs
+
+
+def parse_fairseq_line(line: str) -> Optional[Dict[str, object]]:
+    """One fairseq stats line as a dict (``_tag`` = train_inner / train / valid ...), else None.
+
+    Handles ``--log-format json`` (``| train_inner | {"loss": "9.8", ...}``; epoch
+    lines prefix their keys with the tag: ``train_loss``, which is stripped) and
+    ``--log-format simple`` (``| train_inner | epoch 001:  10 / 15 loss=9.8, ups=12, ...``
+    and ``| train | epoch 001 | loss 9.671 | ups 12 | ...``).
+    """
+    m = _TAG_RE.search(line.rstrip("\n"))
+    if not m:
+        return None
+    tag, payload = m.group(1), m.group(2).strip()
+    rec: Dict[str, object] = {}
+    if payload.startswith("{"):
+        try:
+            raw = json.loads(payload)
+        except json.JSONDecodeError:
+            return None
+        prefix = tag + "_"
+        for k, v in raw.items():
+            key = k[len(prefix):] if tag != "train_inner" and k.startswith(prefix) else k
+            rec[key] = _num(v)
+    elif "=" in payload:  # simple format, train_inner
+        body = _INNER_PREFIX_RE.sub("", payload)
+        for item in body.split(","):
+            if "=" in item:
+                k, v = item.split("=", 1)
+                rec[k.strip()] = _num(v.strip())
+    else:  # simple format, epoch summary: "epoch 001 | loss 9.6 | ..."
+        for item in payload.split("|"):
+            parts = item.strip().split(None, 1)
+            if len(parts) == 2:
+                rec[parts[0]] = _num(parts[1].strip())
+    if not rec:
+        return None
+    rec["_tag"] = tag
+    return rec
+
+
+def parse_fairseq_log_text(text: str) -> List[Dict[str, object]]:
+    """Every stats line of a fairseq log, in order."""
+    out = []
+    for line in text.splitlines():
+        rec = parse_fairseq_line(line)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def fairseq_optimizer(text: str) -> Dict[str, object]:
+    """The optimizer section of the config fairseq prints at start ({} if absent)."""
+    m = _OPT_RE.search(text)
+    if not m:
+        return {}
+    try:
+        return ast.literal_eval("{'_name': '%s'%s}" % (m.group(1), m.group(2)))
+    except (ValueError, SyntaxError):
+        return {"_name": m.group(1)}
+
+
+def label_for(opt: Dict[str, object]) -> Optional[str]:
+    """SAM / VASSO (theta=..) / eVASSO(p=..) / ASAM / +GSAM, with rho; None if unknown."""
+    name = str(opt.get("_name", opt.get("algorithm", ""))).lower()
+    if not name:
+        return None
+    p = opt.get("perturb_prob", opt.get("p", 1.0))
+    p = float(p) if isinstance(p, (int, float)) else 1.0
+    adaptive = bool(opt.get("adaptive", False))
+    alpha = opt.get("gsam_alpha", 0.0)
+    alpha = float(alpha) if isinstance(alpha, (int, float)) else 0.0
+    if name in ("sam", "vasso"):
+        base = "SAM" if name == "sam" else "VASSO"
+        if adaptive:
+            base = "A" + base if name == "sam" else "adaptive " + base
+        if p < 1.0:
+            base = "e" + base
+        extras = []
+        if name == "vasso" and opt.get("theta") is not None:
+            extras.append(f"θ={float(opt['theta']):g}")
+        if p < 1.0:
+            extras.append(f"p={p:g}")
+        if alpha > 0:
+            extras.append(f"GSAM α={alpha:g}")
+        if opt.get("rho") is not None:
+            extras.append(f"ρ={float(opt['rho']):g}")
+        return base + (f" ({', '.join(extras)})" if extras else "")
+    return name.upper() if name in ("adam", "erm", "gsam") else name
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclass
+class Run:
+    label: str
+    path: str
+    source: str  # "fairseq" or "domainbed"
+    series: Dict[str, Tuple[List[float], List[float]]] = field(default_factory=dict)
+    meta: Dict[str, object] = field(default_factory=dict)
+
+
+def _series(records: Sequence[Dict[str, object]], xkey: str) -> Dict[str, Tuple[List[float], List[float]]]:
+    out: Dict[str, Tuple[List[float], List[float]]] = {}
+    for key in DIAGNOSTIC_KEYS:
+        xs, ys = [], []
+        for r in records:
+            x, y = r.get(xkey), r.get(key)
+            if isinstance(x, float) and isinstance(y, float) and math.isfinite(x) and math.isfinite(y):
+                xs.append(x)
+                ys.append(y)
+        if xs:
+            out[key] = (xs, ys)
+    return out
+
+
+def load_fairseq(path: str, label: Optional[str] = None) -> Run:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    records = [r for r in parse_fairseq_log_text(text) if r["_tag"] == "train_inner"]
+    opt = fairseq_optimizer(text)
+    run = Run(label or label_for(opt) or os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+              path, "fairseq", _series(records, "num_updates"), {"optimizer": opt, "lines": len(records)})
+    return run
+
+
+def load_domainbed(path: str, label: Optional[str] = None) -> Run:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                records.append({k: _num(v) if not isinstance(v, (dict, list)) else v
+                                for k, v in json.loads(line).items()})
+    meta: Dict[str, object] = {}
+    if records:
+        args = records[0].get("args") or {}
+        hp = records[0].get("hparams") or {}
+        meta = {"algorithm": args.get("algorithm"), "hparams": hp, "dataset": args.get("dataset"),
+                "test_envs": args.get("test_envs")}
+        if label is None and args.get("algorithm"):
+            alg = str(args["algorithm"])
+            info = {"_name": alg.lower(), "theta": hp.get("theta"), "p": hp.get("p", 1.0),
+                    "adaptive": hp.get("adaptive", False), "rho": hp.get("rho")}
+            if alg.upper() == "GSAM":
+                info = {"_name": "sam", "gsam_alpha": hp.get("gsam_alpha", hp.get("alpha", 0.0)) or 0.0,
+                        "rho": hp.get("rho"), "p": hp.get("p", 1.0)}
+                label = "GSAM" + (f" (ρ={float(hp['rho']):g})" if hp.get("rho") is not None else "")
+            else:
+                label = label_for(info)
+    meta["records"] = len(records)
+    return Run(label or os.path.basename(os.path.dirname(os.path.abspath(path))) or path, path, "domainbed",
+               _series(records, "step"), meta)
+
+
+def load_run(spec: str) -> Run:
+    """``path`` or ``label=path``; a .jsonl file whose first line is a JSON object is
+    read as DomainBed results, anything else as a fairseq log."""
+    label = None
+    if "=" in spec and not os.path.exists(spec):
+        label, spec = spec.split("=", 1)
+    path = spec
+    if os.path.isdir(path):
+        for name in ("results.jsonl", "train.log", "log.txt"):
+            if os.path.exists(os.path.join(path, name)):
+                path = os.path.join(path, name)
+                break
+    if path.endswith(".jsonl"):
+        return load_domainbed(path, label)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = f.readline().strip()
+    if first.startswith("{") and '"step"' in first:
+        return load_domainbed(path, label)
+    return load_fairseq(path, label)
+
+
+# --------------------------------------------------------------------------- plotting
+
+
+def _smooth(ys: List[float], window: int) -> List[float]:
+    if window <= 1 or len(ys) < 2:
+        return list(ys)
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+PANELS = (
+    ("stability", r"$\|\epsilon_t - \epsilon_{t-1}\|$", "Stability of the adversary (lower: steadier; paper Fig. 4)"),
+    ("loss_gap", r"$f_B(x+\epsilon) - f_B(x)$", "Perturbed-loss gap"),
+)
+
+
+def plot_runs(runs: Sequence[Run], out: str, *, smooth: int = 1, title: Optional[str] = None,
+              logy: bool = False, dpi: int = 130) -> Dict[str, Dict[str, Tuple[List[float], List[float]]]]:
+    """Write the two-panel PNG; returns {panel key: {run label: (x, y)}} exactly as drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn: Dict[str, Dict[str, Tuple[List[float], List[float]]]] = {k: {} for k, _, _ in PANELS}
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 4.4))
+    # SAM orange and VASSO blue as in the paper's figure; every other run its own colour and dash
+    looks, spare = [], iter([("C2", "--"), ("C3", "-."), ("C4", ":"), ("C5", "--"), ("C6", "-."), ("C7", ":"),
+                             ("C8", "--"), ("C9", "-.")] * 4)
+    firsts = set()
+    for run in runs:
+        kind = "SAM" if run.label.startswith("SAM") else ("VASSO" if run.label.startswith("VASSO") else None)
+        if kind and kind not in firsts:
+            firsts.add(kind)
+            looks.append(("C1" if kind == "SAM" else "C0", "-"))
+        else:
+            looks.append(next(spare))
+    for ax, (key, ylabel, panel_title) in zip(axes, PANELS):
+        for run, (color, style) in zip(runs, looks):
+            if key not in run.series:
+                continue
+            xs, ys = run.series[key]
+            ys = _smooth(ys, smooth)
+            ax.plot(xs, ys, style, color=color, lw=1.6, label=run.label, marker="o" if len(xs) <= 30 else None, ms=3)
+            drawn[key][run.label] = (list(xs), list(ys))
+        ax.set_xlabel("updates")
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel_title, fontsize=10)
+        if key == "loss_gap":
+            ax.axhline(0.0, color="0.6", lw=0.8)
+        if logy and key == "stability":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if drawn[key]:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no data in these logs", ha="center", va="center", transform=ax.transAxes)
+    sources = sorted({r.source for r in runs})
+    note = ("fairseq: mean over each --log-interval" if "fairseq" in sources else "") + \
+           ("; " if len(sources) > 1 else "") + \
+           ("DomainBed: mean between checkpoints" if "domainbed" in sources else "")
+    fig.suptitle((title + "\n" if title else "") + note + (f", smoothed over {smooth} points" if smooth > 1 else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return drawn
+
+
+def summary(runs: Sequence[Run]) -> str:
+    def med(run, key):
+        s = run.series.get(key)
+        return f"{statistics.median(s[1]):.4g}" if s else "n/a"
+
+    lines = ["| run | source | points | median stability | median loss gap | median sharpness |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        n = len(r.series.get("stability", ([], []))[0])
+        lines.append(f"| {r.label} | {r.source} | {n} | {med(r, 'stability')} | {med(r, 'loss_gap')} | "
+                     f"{med(r, 'sharpness')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="fairseq log, DomainBed results.jsonl (or its folder); label=path to name it")
+    ap.add_argument("-o", "--out", default="diagnostics.png", help="PNG to write (default diagnostics.png)")
+    ap.add_argument("--smooth", type=int, default=1, help="moving average over this many points")
+    ap.add_argument("--logy", action="store_true", help="log scale for the stability panel")
+    ap.add_argument("--title")
+    args = ap.parse_args(argv)
+    runs = [load_run(s) for s in args.runs]
+    seen: Dict[str, int] = {}
+    for r in runs:  # several seeds of one method: keep the labels apart
+        seen[r.label] = seen.get(r.label, 0) + 1
+        if seen[r.label] > 1:
+            r.label = f"{r.label} #{seen[r.label]}"
+    empty = [r.label for r in runs if "stability" not in r.series and "loss_gap" not in r.series]
+    for label in empty:
+        print(f"warning: {label}: no stability/loss_gap values found (fairseq: use --log-format simple or json "
+              f"and --optimizer sam|vasso)", file=sys.stderr)
+    plot_runs(runs, args.out, smooth=args.smooth, title=args.title, logy=args.logy)
+    print(summary(runs))
+    print(f"wrote {args.out}")
+    return 0 if len(empty) < len(runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
