@@ -1,0 +1,327 @@
+"""Shared pieces of the CPU-scale experiments on scikit-learn's bundled UCI digits
+(``sklearn.datasets.load_digits``: 1,797 8x8 grey images, 10 classes, no download).
+
+Used by ``scripts/digits_experiments.py`` (label noise, generalization for
+computation, Hessian spectrum) and ``domainbed_vasso/digits_dataset.py`` (the
+rotated-digits DomainBed dataset).
+
+Choices, written down once:
+
+* split: a fixed stratified 70/30 split (``SPLIT_SEED = 0``): 1,257 training and
+  540 test images, identical for every method and seed; pixels scaled to [0, 1].
+* label noise: exactly ``round(fraction * n)`` training labels, chosen at random, are
+  replaced by a label drawn uniformly from the *other* 9 classes (symmetric noise,
+  every flipped label is wrong); test labels stay clean. The draw depends on the
+  run's seed, so each seed sees a different noisy training set.
+* network: a small CNN (two 3x3 convolutions with 16 and 32 channels, 2x2 max-pool,
+  a 64-unit hidden layer; 38,570 parameters), no BatchNorm and no dropout, so the
+  training loss is a deterministic function of the weights (what the Hessian
+  routine differentiates).
+* training: SGD with momentum 0.9 and weight decay 5e-4, cosine learning-rate
+  decay, batch 64 (as the paper's CIFAR recipe, scaled down); SAM / VASSO wrap the
+  same SGD through :mod:`plugins`.
+* the Hessian routine: Lanczos with full re-orthogonalisation on exact
+  Hessian-vector products (double backward through ``torch.autograd``) of the
+  *full* training loss (mean cross-entropy over all training images, no weight
+  decay term), returning the largest algebraic eigenvalues.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from plugins import SAM, VASSO  # noqa: E402
+
+SPLIT_SEED = 0
+TEST_FRACTION = 0.3
+NUM_CLASSES = 10
+
+
+# ---------------------------------------------------------------------------- data
+
+def load_digits_arrays():
+    """``(images float32 [N, 8, 8] in [0, 1], labels int64 [N])`` of all 1,797 digits."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = (d.images / 16.0).astype(np.float32)
+    return images, d.target.astype(np.int64)
+
+
+def split_indices(labels: np.ndarray, test_fraction: float = TEST_FRACTION, seed: int = SPLIT_SEED):
+    """Stratified ``(train_idx, test_idx)``, sorted, a pure function of ``(labels, seed)``."""
+    rng = np.random.RandomState(seed)
+    train, test = [], []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        idx = idx[rng.permutation(len(idx))]
+        n_test = int(round(test_fraction * len(idx)))
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def flip_labels(labels: np.ndarray, fraction: float, seed: int, num_classes: int = NUM_CLASSES):
+    """A copy of ``labels`` with ``round(fraction * n)`` entries, chosen at random,
+    replaced by a uniformly drawn *different* class; returns ``(noisy, flipped_mask)``."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+    rng = np.random.RandomState(10_000 + seed)
+    n = len(labels)
+    k = int(round(fraction * n))
+    chosen = rng.choice(n, size=k, replace=False)
+    noisy = labels.copy()
+    shift = rng.randint(1, num_classes, size=k)  # 1..C-1: never the true class
+    noisy[chosen] = (labels[chosen] + shift) % num_classes
+    mask = np.zeros(n, dtype=bool)
+    mask[chosen] = True
+    return noisy, mask
+
+
+@dataclass
+class DigitsData:
+    x_train: torch.Tensor  # [n, 1, 8, 8]
+    y_train: torch.Tensor  # possibly noisy
+    x_test: torch.Tensor
+    y_test: torch.Tensor   # clean
+    y_train_clean: torch.Tensor
+
+
+def make_data(noise: float = 0.0, seed: int = 0) -> DigitsData:
+    images, labels = load_digits_arrays()
+    tr, te = split_indices(labels)
+    y_tr = labels[tr]
+    y_noisy = flip_labels(y_tr, noise, seed)[0] if noise > 0 else y_tr.copy()
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    return DigitsData(t(images[tr][:, None]), t(y_noisy), t(images[te][:, None]), t(labels[te]), t(y_tr))
+
+
+# ---------------------------------------------------------------------------- model
+
+class SmallCNN(nn.Module):
+    def __init__(self, num_classes: int = NUM_CLASSES, width: int = 16, hidden: int = 64):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.fc1 = nn.Linear(2 * width * 16, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+# ---------------------------------------------------------------------------- methods
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # "sgd" | "sam" | "vasso"
+    theta: Optional[float] = None
+    p: float = 1.0
+
+
+def build_optimizer(method: Method, model: nn.Module, *, lr: float, rho: float, seed: int,
+                    momentum: float = 0.9, weight_decay: float = 5e-4):
+    kw = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if method.kind == "sgd":
+        return torch.optim.SGD(model.parameters(), **kw)
+    if method.kind == "sam":
+        return SAM(model.parameters(), torch.optim.SGD, rho=rho, p=method.p, seed=seed, **kw)
+    if method.kind == "vasso":
+        return VASSO(model.parameters(), torch.optim.SGD, rho=rho, theta=method.theta, p=method.p,
+                     seed=seed, **kw)
+    raise ValueError(f"unknown method kind {method.kind!r}")
+
+
+@dataclass
+class RunResult:
+    test_acc: float
+    train_acc_clean: float
+    epoch_times: List[float]       # wall clock
+    epoch_cpu_times: List[float]   # this process's CPU time (robust to other jobs on the machine)
+    two_pass_fraction: float
+    model: nn.Module = field(repr=False)
+
+    @property
+    def time_per_epoch(self) -> float:
+        # the first epoch carries one-off warm-up costs: leave it out when there are others
+        times = self.epoch_times[1:] if len(self.epoch_times) > 1 else self.epoch_times
+        return float(np.mean(times))
+
+    @property
+    def cpu_time_per_epoch(self) -> float:
+        times = self.epoch_cpu_times[1:] if len(self.epoch_cpu_times) > 1 else self.epoch_cpu_times
+        return float(np.mean(times))
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    return float((model(x).argmax(1) == y).float().mean())
+
+
+def train(method: Method, data: DigitsData, *, seed: int, epochs: int, lr: float = 0.05,
+          rho: float = 0.05, batch_size: int = 64, model_fn: Callable[[], nn.Module] = SmallCNN) -> RunResult:
+    """Train one model; every random choice (init, batch order, eSAM/eVASSO coin) follows ``seed``."""
+    torch.manual_seed(seed)
+    model = model_fn()
+    opt = build_optimizer(method, model, lr=lr, rho=rho, seed=seed)
+    base = getattr(opt, "base_optimizer", opt)
+    steps_per_epoch = math.ceil(len(data.y_train) / batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(base, T_max=epochs * steps_per_epoch)
+    gen = torch.Generator().manual_seed(seed)
+    x, y = data.x_train, data.y_train
+    n = len(y)
+    times, cpu_times, two_pass, steps = [], [], 0, 0
+    for _ in range(epochs):
+        model.train()
+        t0, c0 = time.perf_counter(), time.process_time()
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n, batch_size):
+            idx = perm[i:i + batch_size]
+            xb, yb = x[idx], y[idx]
+
+            def closure():
+                opt.zero_grad()
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                return loss
+
+            if method.kind == "sgd":
+                closure()
+                opt.step()
+            else:
+                opt.step(closure)
+                two_pass += int(opt.diagnostics["two_pass"])
+            sched.step()
+            steps += 1
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+    frac = two_pass / steps if method.kind != "sgd" else 0.0
+    return RunResult(accuracy(model, data.x_test, data.y_test),
+                     accuracy(model, data.x_train, data.y_train_clean), times, cpu_times, frac, model)
+
+
+# ---------------------------------------------------------------------------- Hessian
+
+def full_loss_hvp(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 0):
+    """``(hvp, n)``: ``hvp(v)`` is the product of the Hessian of the mean cross-entropy
+    over ``(x, y)`` with the flat vector ``v`` (``n`` = number of parameters).
+
+    Exact (double backward).  ``chunk > 0`` evaluates the loss in chunks of that many
+    samples and sums, weighted, to bound memory; the result is the same Hessian."""
+    params = [q for q in model.parameters() if q.requires_grad]
+    n = sum(q.numel() for q in params)
+    model.eval()
+    pieces = [(x, y)] if chunk <= 0 else [(x[i:i + chunk], y[i:i + chunk]) for i in range(0, len(y), chunk)]
+    total = len(y)
+
+    def hvp(v: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(n, dtype=v.dtype)
+        vs, o = [], 0
+        for q in params:
+            vs.append(v[o:o + q.numel()].view_as(q).to(q.dtype))
+            o += q.numel()
+        for xb, yb in pieces:
+            loss = F.cross_entropy(model(xb), yb, reduction="sum") / total
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+            dot = sum((g * u).sum() for g, u in zip(grads, vs))
+            hv = torch.autograd.grad(dot, params)
+            out += torch.cat([h.reshape(-1) for h in hv]).to(v.dtype)
+        return out
+
+    return hvp, n
+
+
+def lanczos(matvec: Callable[[torch.Tensor], torch.Tensor], n: int, iters: int, seed: int = 0,
+            dtype=torch.float64) -> torch.Tensor:
+    """Ritz values (ascending) of a symmetric operator after ``iters`` Lanczos steps with
+    full re-orthogonalisation; ``iters >= n`` gives every eigenvalue (to rounding).
+
+    The extreme Ritz values converge first: with a few dozen steps the top five of a
+    network's Hessian are accurate to a fraction of a percent (checked in
+    ``tests/digits/test_digits.py`` against ``torch.linalg.eigvalsh``)."""
+    m = min(iters, n)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, generator=g, dtype=dtype)
+    q /= q.norm()
+    Q = torch.zeros(m, n, dtype=dtype)
+    alpha = torch.zeros(m, dtype=dtype)
+    beta = torch.zeros(m, dtype=dtype)
+    k = m
+    for j in range(m):
+        Q[j] = q
+        w = matvec(q).to(dtype)
+        alpha[j] = w @ q
+        # full re-orthogonalisation, twice (classical Gram-Schmidt is unstable once)
+        for _ in range(2):
+            w = w - Q[: j + 1].T @ (Q[: j + 1] @ w)
+        if j + 1 < m:
+            b = w.norm()
+            beta[j] = b
+            if b <= 1e-10 * max(1.0, float(alpha[: j + 1].abs().max())):
+                k = j + 1  # invariant subspace found: the Ritz values are exact
+                break
+            q = w / b
+    T = torch.diag(alpha[:k]) + torch.diag(beta[: k - 1], 1) + torch.diag(beta[: k - 1], -1)
+    return torch.linalg.eigvalsh(T)
+
+
+def top_eigenvalues(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int = 5, iters: int = 80,
+                    seed: int = 0, chunk: int = 0) -> List[float]:
+    """The ``k`` largest (algebraic) Hessian eigenvalues of the full training loss, descending."""
+    hvp, n = full_loss_hvp(model, x, y, chunk=chunk)
+    ritz = lanczos(hvp, n, iters, seed=seed)
+    return [float(v) for v in ritz.flip(0)[:k]]
+
+
+# ---------------------------------------------------------------------------- tables
+
+def mean_std(values: Sequence[float]):
+    a = np.asarray(values, dtype=float)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def fmt_ms(values: Sequence[float], digits: int = 2, scale: float = 1.0) -> str:
+    m, s = mean_std([v * scale for v in values])
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table; first column left-aligned, the others right-aligned."""
+    header = [str(h) for h in header]
+    rows = [[str(c) for c in r] for r in rows]
+    for r in rows:
+        if len(r) != len(header):
+            raise ValueError(f"row {r!r} has {len(r)} cells, header has {len(header)}")
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def set_threads(n: int) -> None:
+    """Pin torch's intra-op threads (the experiments are written for 2 cores and use 1
+    thread each by default: these models are too small to gain from more)."""
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
