@@ -27,5 +27,8 @@ if hasattr(torch.serialization, "add_safe_globals"):
 
 from . import optimizer  # noqa: E402,F401  (registers sam / vasso)
 from . import trainer_hooks  # noqa: E402,F401  (second pass in Trainer.train_step)
+from ._help import add_flags_to_help as _add_flags_to_help  # noqa: E402
+
+_add_flags_to_help({"sam": optimizer.FairseqSAMConfig, "vasso": optimizer.FairseqVASSOConfig})
 
 __all__ = ["optimizer", "trainer_hooks"]

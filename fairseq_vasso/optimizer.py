@@ -53,25 +53,25 @@ class FairseqSAMConfig(FairseqDataclass):
     rho: float = field(
         default=0.05,
         metadata={"help": "radius of the sharpness-aware neighbourhood, >= 0 "
-                          "(0 steps exactly like --optimizer adam)"},
+                          "(0 steps exactly like --optimizer adam; default 0.05)"},
     )
     adaptive: bool = field(
         default=False,
         metadata={"help": "adaptive geometry (ASAM, Kwon et al. 2021): eps = rho T^2 v / ||T v||, "
-                          "T = |x| + eta on weight tensors (ndim > 1), T = 1 on biases and norms"},
+                          "T = |x| + eta on weight tensors (ndim > 1), T = 1 on biases and norms (default off)"},
     )
     adaptive_eta: float = field(
-        default=0.01, metadata={"help": "ASAM's offset eta in T = |x| + eta, >= 0 (with --adaptive)"}
+        default=0.01, metadata={"help": "ASAM's offset eta in T = |x| + eta, >= 0 (with --adaptive; default 0.01)"}
     )
     gsam_alpha: float = field(
         default=0.0,
         metadata={"help": "GSAM descent correction alpha, >= 0 (Zhuang et al. 2022): the descent uses "
-                          "h - alpha * (component of g orthogonal to h); 0 is off"},
+                          "h - alpha * (component of g orthogonal to h); 0 is off (default)"},
     )
     perturb_prob: float = field(
         default=1.0,
         metadata={"help": "probability of the second (perturbed) pass per update, in [0, 1]; "
-                          "< 1 gives eSAM / eVASSO (the coin is a function of --seed and the step)"},
+                          "< 1 gives eSAM / eVASSO (the coin is a function of --seed and the step; default 1)"},
     )
     # no help text: these are read from fairseq's own flags, not added as new ones
     seed: int = II("common.seed")
@@ -83,7 +83,7 @@ class FairseqVASSOConfig(FairseqSAMConfig):
     theta: float = field(
         default=0.4,
         metadata={"help": "VASSO's EMA weight theta in (0, 1]: d_t = (1 - theta) d_{t-1} + theta g_t "
-                          "(d_0 = g_0); theta = 1 is SAM"},
+                          "(d_0 = g_0); theta = 1 is SAM (default 0.4)"},
     )
 
 
