@@ -491,10 +491,13 @@ def fairseq_ups(log_text: str) -> List[float]:
     """fairseq's ``ups`` of every ``train_inner`` line but the first (warm-up), json or simple format."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_plot_diagnostics", os.path.join(REPO, "scripts",
-                                                                                   "plot_diagnostics.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = sys.modules.get("_vasso_plot_diagnostics")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("_vasso_plot_diagnostics",
+                                                      os.path.join(REPO, "scripts", "plot_diagnostics.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
     records = [r for r in mod.parse_fairseq_log_text(log_text) if r.get("_tag") == "train_inner"]
     return [float(r["ups"]) for r in records[1:] if "ups" in r]
 

@@ -1,0 +1,129 @@
+"""The benchmark's bookkeeping: paired ratios, medians, verdicts, state bytes, a tiny
+interleaved run of 1-3 updates.  No timed assertions: only the arithmetic on the
+numbers it measured and the structure of what it reports."""
+
+import math
+
+import pytest
+import torch
+
+from bench_samples import JSON_INNER, SIMPLE_INNER
+
+
+def _block(total, fwdbwd=0.0, base_step=0.0, updates=2, two_pass=0, passes=1.0):
+    return {"total": total, "fwdbwd": fwdbwd, "base_step": base_step, "perturb": 0.0, "descend": 0.0,
+            "restore": 0.0, "sa_work": total - fwdbwd - base_step, "passes": passes, "two_pass": two_pass,
+            "updates": updates}
+
+
+def test_paired_ratios_and_medians(bench):
+    # drift: every method slows down by the same factor in repeat 2; paired ratios cancel it
+    blocks = {"adamw": [_block(1.0), _block(3.0), _block(1.1)],
+              "sam": [_block(2.0, 1.8, 0.1, two_pass=2, passes=2), _block(6.0, 5.4, 0.3, two_pass=2, passes=2),
+                      _block(2.4, 2.0, 0.1, two_pass=2, passes=2)],
+              "vasso": [_block(2.1, 1.8, 0.1, two_pass=2, passes=2), _block(6.0, 5.4, 0.3, two_pass=2, passes=2),
+                        _block(2.4, 2.1, 0.1, two_pass=2, passes=2)]}
+    assert bench.paired_ratios(blocks, "sam", "adamw") == pytest.approx([2.0, 2.0, 2.4 / 1.1])
+    s = bench.summarize_timing(blocks)
+    assert s["methods"]["sam"]["over_base"] == pytest.approx(2.0)
+    assert s["methods"]["sam"]["ratio_kind"] == "median of paired repeats"
+    assert s["vasso_over_sam"] == pytest.approx(1.0)  # median of 1.05, 1.0, 1.0
+    assert s["methods"]["sam"]["total"] == pytest.approx(2400.0)  # ms, median of the blocks
+    assert s["methods"]["sam"]["sa_share"] == pytest.approx(0.05)  # (2 - 1.8 - 0.1) / 2, (6-5.4-0.3)/6, ...
+    assert s["methods"]["sam"]["two_pass_fraction"] == 1.0 and s["methods"]["adamw"]["two_pass_fraction"] is None
+    assert "over_base" not in s["methods"]["adamw"]
+    assert bench.median([3.0, float("nan"), 1.0]) == 2.0 and math.isnan(bench.median([]))
+
+
+def test_efficient_variant_uses_summed_blocks(bench):
+    # the coin gave 2, 0, 1 two-pass updates in blocks of 2: per-block ratios 2, 1, 1.5
+    blocks = {"adamw": [_block(1.0)] * 3,
+              "evasso": [_block(2.0, two_pass=2), _block(1.0, two_pass=0), _block(1.5, two_pass=1)]}
+    row = bench.summarize_timing(blocks)["methods"]["evasso"]
+    assert row["two_pass_fraction"] == pytest.approx(0.5)
+    assert row["over_base"] == pytest.approx(4.5 / 3.0) and row["ratio_kind"] == "sum over repeats"
+
+
+def test_verdicts(bench):
+    def method(over, share=0.01, p=1.0):
+        return {"over_base": over, "sa_share": share, "two_pass_fraction": p}
+
+    results = {"timing": {"transformer": {"methods": {"sam": method(2.05), "vasso": method(2.11, 0.06),
+                                                      "evasso": method(1.62, p=0.52)},
+                                          "vasso_over_sam": 1.02},
+                          "many-small": {"methods": {}, "vasso_over_sam": 1.2}},
+               "state": {"transformer": {"vasso": {"param_bytes": 400, "extra_state_bytes": 400}},
+                         "many-small": {"vasso": {"param_bytes": 400, "extra_state_bytes": 404}}}}
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in bench.target_rows(results)}
+    T = bench.TARGETS_TEXT
+    assert rows[(T["vasso_over_sam"], "transformer")] == ("1.020", "PASS")
+    assert rows[(T["vasso_over_sam"], "many-small")] == ("1.200", "MISS")
+    assert rows[(T["sam_over_base"], "transformer")] == ("2.050", "PASS")
+    ev = [v for k, v in rows.items() if k[0] == T["evasso_over_base"]]
+    assert ev == [("1.620", "PASS")]  # limit 1 + 0.52 + 0.1 = 1.62
+    assert rows[(T["sa_share"], "transformer, SAM")] == ("1.00%", "PASS")
+    assert rows[(T["sa_share"], "transformer, VASSO")] == ("6.00%", "MISS")
+    assert rows[(T["vasso_state"], "transformer")][1] == "PASS"
+    assert rows[(T["vasso_state"], "many-small")][1] == "MISS"
+
+
+def test_state_bytes_of_each_method(bench):
+    cfg = bench.TINY_MODELS["many-small"]
+    st = bench.state_table({"m": cfg}, ["adamw", "sam", "vasso", "evasso", "evasso-nostab"], steps=3)["m"]
+    pb = st["adamw"]["param_bytes"]
+    assert all(s["param_bytes"] == pb for s in st.values())
+    assert st["adamw"]["extra_state_bytes"] == 0
+    # AdamW: exp_avg and exp_avg_sq per parameter plus a 0-dim step per tensor
+    n_tensors = len(list(bench.build(cfg)[0].parameters()))
+    assert st["adamw"]["base_state_bytes"] == 2 * pb + 4 * n_tensors
+    assert st["sam"]["extra_state_bytes"] == pb and st["vasso"]["extra_state_bytes"] == pb
+    assert st["evasso-nostab"]["extra_state_bytes"] == pb
+    assert st["evasso"]["extra_state_bytes"] in (pb, 2 * pb)  # + previous_ascent once a two-pass step ran
+
+
+def test_tiny_interleaved_run(bench):
+    cfg = bench.TINY_MODELS["transformer"]
+    blocks = bench.interleaved_timing(cfg, ["adamw", "sam", "vasso", "evasso"], reps=2, block=2, warmup=1,
+                                      clock="wall")
+    assert {m: len(b) for m, b in blocks.items()} == {"adamw": 2, "sam": 2, "vasso": 2, "evasso": 2}
+    for m, bl in blocks.items():
+        for b in bl:
+            assert b["updates"] == 2 and b["total"] > 0
+    assert all(b["passes"] == 1.0 and b["two_pass"] == 0 for b in blocks["adamw"])
+    assert all(b["passes"] == 2.0 and b["two_pass"] == 2 for b in blocks["sam"] + blocks["vasso"])
+    for b in blocks["evasso"]:
+        assert b["passes"] == 1.0 + b["two_pass"] / 2
+    s = bench.summarize_timing(blocks)
+    assert set(s["methods"]) == {"adamw", "sam", "vasso", "evasso"} and math.isfinite(s["vasso_over_sam"])
+    assert s["methods"]["sam"]["passes_per_update"] == 2.0
+
+
+def test_same_start_for_every_method(bench):
+    a = bench.Runner("adamw", bench.TINY_MODELS["many-small"])
+    v = bench.Runner("vasso", bench.TINY_MODELS["many-small"])
+    for p, q in zip(a.model.parameters(), v.model.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(a.loss_fn(), v.loss_fn())
+
+
+def test_memory_child_in_process(bench):
+    res = bench.memory_child("many-small", "vasso", 2, tiny=True)
+    assert res["extra_state_bytes"] == res["param_bytes"] and res["peak_growth"] >= 0
+
+
+def test_fairseq_ups_skips_the_first_line(bench):
+    text = "\n".join(SIMPLE_INNER[:2] + [JSON_INNER, "noise"])
+    assert bench.fairseq_ups(text) == [15.35, 8.05]
+    cmd = bench.fairseq_command("DATA", "vasso", 10, "SAVE", 2)
+    assert cmd[cmd.index("--optimizer") + 1] == "vasso" and "--theta" in cmd and "--rho" in cmd
+    assert "--rho" not in bench.fairseq_command("DATA", "adam", 10, "SAVE", 2)
+
+
+def test_cli_tiny_report(bench, tmp_path, capsys):
+    md = tmp_path / "b.md"
+    assert bench.main(["--tiny", "--quick", "--no-fairseq", "--no-memory", "--reps", "1", "--markdown", str(md),
+                       "--json", str(tmp_path / "b.json")]) == 0
+    text = md.read_text()
+    assert "### Targets" in text and "| transformer | VASSO |" in text and "torch " + torch.__version__ in text
+    assert "fairseq-train: skipped (--no-fairseq)" in text
+    assert "PASS" in text or "MISS" in text
