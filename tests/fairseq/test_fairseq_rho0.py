@@ -34,3 +34,22 @@ def test_rho0_matches_adam_update_for_update(toy_data, tmp_path, fs):
     got = _params(fs, tmp_path / "rho")
     assert any(not torch.equal(got[k], ref[k]) for k in ref)
     assert moved.losses()[0] == adam.losses()[0]
+
+
+def test_store_ema_tracks_the_updated_model(toy_data, tmp_path, fs):
+    """--store-ema is supported: fairseq steps the EMA after the update, when the
+    parameters are back at x_t and updated (never at x_t + eps_t)."""
+    ema = ["--store-ema", "--ema-decay", "0.5", "--ema-start-update", "4", "--no-save-optimizer-state"]
+    fs.train(fs.model_args(toy_data, tmp_path / "adam", optimizer="adam", extra=ema))
+    fs.train(fs.model_args(toy_data, tmp_path / "sam0", optimizer="sam", extra=ema + ["--rho", "0"]))
+    a = fs.load_checkpoint(tmp_path / "adam" / "checkpoint_last.pt")["extra_state"]["ema"]
+    b = fs.load_checkpoint(tmp_path / "sam0" / "checkpoint_last.pt")["extra_state"]["ema"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # before --ema-start-update the EMA is a copy of the model: it equals the restored,
+    # updated parameters bit for bit
+    fs.train(fs.model_args(toy_data, tmp_path / "vasso", optimizer="vasso",
+                           extra=ema[:-1] + ["--ema-start-update", "100", "--rho", "0.5"]))
+    ck = fs.load_checkpoint(tmp_path / "vasso" / "checkpoint_last.pt")
+    model, copy = ck["model"], ck["extra_state"]["ema"]
+    # (fairseq's EMA does not copy the "version" buffers)
+    assert all(torch.equal(model[k], copy[k]) for k in model if "version" not in k)
