@@ -99,6 +99,9 @@ class SharpnessAware(torch.optim.Optimizer):
         seed: seeds the coin; the same on every distributed rank.
         track_stability: compute ``||eps_t - eps_{t-1}||`` (may hold one buffer,
             see the module docstring).
+        exact_restore: keep a copy of ``x_t`` during each two-pass step and restore
+            from it, bit for bit, instead of subtracting ``eps`` again (one more
+            parameter-sized buffer; automatic for adaptive geometry and fp16/bf16).
 
     Two ways to use it.  With a closure (torch's convention)::
 
@@ -128,7 +131,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def __init__(self, params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
                  adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0,
-                 seed: int = 0, track_stability: bool = True, **base_kwargs):
+                 seed: int = 0, track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
         self.rho = _check_number("rho", rho, 0.0, math.inf, high_open=True)
         self.theta = None if theta is None else _check_number("theta", theta, 0.0, 1.0, low_open=True)
         self.eta = _check_number("eta", eta, 0.0, math.inf, high_open=True)
@@ -141,6 +144,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self.adaptive = adaptive
         self.seed = int(seed)
         self.track_stability = bool(track_stability)
+        self.exact_restore = bool(exact_restore)
 
         super().__init__(params, defaults={})
         if isinstance(base_optimizer, torch.optim.Optimizer):
@@ -220,6 +224,11 @@ class SharpnessAware(torch.optim.Optimizer):
         return self._nonfinite_steps
 
     @property
+    def in_flight(self) -> bool:
+        """True between :meth:`perturb` and :meth:`descend` / :meth:`abandon`."""
+        return self._pending is not None
+
+    @property
     def num_steps(self) -> int:
         """Steps started so far (the coin of step t is a function of (seed, t))."""
         return self._step
@@ -287,7 +296,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
         if self.gsam_alpha > 0.0 and self.theta is not None:
             torch._foreach_copy_(self._buffers(params, "first_grad", grads, self._scratch), grads)
-        need_anchor = self.adaptive or any(q.dtype not in _EXACT_DTYPES for q in params)
+        need_anchor = self.exact_restore or self.adaptive or any(q.dtype not in _EXACT_DTYPES for q in params)
         if need_anchor:
             torch._foreach_copy_(self._buffers(params, "anchor", params, self._scratch), params)
 
@@ -478,9 +487,10 @@ class SAM(SharpnessAware):
 
     def __init__(self, params, base_optimizer, rho: float = 0.05, *, adaptive: bool = False, eta: float = 0.01,
                  gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0, track_stability: bool = True,
-                 **base_kwargs):
+                 exact_restore: bool = False, **base_kwargs):
         super().__init__(params, base_optimizer, rho, theta=None, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, track_stability=track_stability, **base_kwargs)
+                         gsam_alpha=gsam_alpha, p=p, seed=seed, track_stability=track_stability,
+                         exact_restore=exact_restore, **base_kwargs)
 
 
 class VASSO(SharpnessAware):
@@ -507,8 +517,9 @@ class VASSO(SharpnessAware):
 
     def __init__(self, params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4, adaptive: bool = False,
                  eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
-                 track_stability: bool = True, **base_kwargs):
+                 track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
         if theta is None:
             raise ValueError("theta must be in (0, 1], got None (use SAM for the raw gradient)")
         super().__init__(params, base_optimizer, rho, theta=theta, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, track_stability=track_stability, **base_kwargs)
+                         gsam_alpha=gsam_alpha, p=p, seed=seed, track_stability=track_stability,
+                         exact_restore=exact_restore, **base_kwargs)

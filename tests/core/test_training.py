@@ -365,3 +365,20 @@ def test_a_parameter_that_starts_receiving_gradients_late(kind):
         opt.step(closure)
         assert torch.isfinite(flat(model.parameters())).all()
     assert "slope" in opt.state[late] or kind in ("ASAM",) or opt.theta is None
+
+
+@pytest.mark.parametrize("cls", [SAM, VASSO])
+def test_exact_restore_is_bit_exact_and_in_flight_tracks_the_step(cls):
+    model = make_model()
+    opt = cls(model.parameters(), torch.optim.SGD, rho=0.7, lr=0.1, exact_restore=True)
+    x, y = make_batches(1)[0]
+    for _ in range(3):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        before = flat(model.parameters())
+        assert not opt.in_flight
+        assert opt.perturb() and opt.in_flight
+        opt.restore()
+        assert torch.equal(flat(model.parameters()), before)
+        opt.descend()
+        assert not opt.in_flight
