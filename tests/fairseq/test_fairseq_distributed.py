@@ -94,4 +94,5 @@ def test_two_ranks_match_one_rank_with_update_freq_2(toy_data, tmp_path, fs):
         assert abs(a["sharpness"] - float(line["sharpness"])) <= 1e-4, (a, line)
     # 2 ranks x 20 sentences == 1 rank x 2 micro-batches of 20
     worst = max(float((r0["model"][k] - single[k]).abs().max()) for k in single)
-    assert worst < 1e-3, worst
+    # (bit for bit here: a + b is the same sum either way; allow rounding elsewhere)
+    assert worst <= 1e-5, worst
