@@ -248,7 +248,8 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
     if not _grads_finite(params):
         # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
         return
-    if not sa.perturb(exact_restore=fp16 is not None):
+    # fp16: restore the fp32 masters from a copy (adaptive geometry: the core keeps one already)
+    if not sa.perturb(exact_restore=fp16 is not None and not sa.optimizer.adaptive):
         return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
     if fp16 is not None:
         fp16._sync_fp32_params_to_fp16()

@@ -53,3 +53,20 @@ def test_store_ema_tracks_the_updated_model(toy_data, tmp_path, fs):
     model, copy = ck["model"], ck["extra_state"]["ema"]
     # (fairseq's EMA does not copy the "version" buffers)
     assert all(torch.equal(model[k], copy[k]) for k in model if "version" not in k)
+
+
+def test_other_optimizers_run_fairseqs_own_code(toy_data, tmp_path, fs, monkeypatch):
+    """With the user-dir imported, --optimizer adam makes the same updates as with
+    fairseq's own, unhooked Trainer."""
+    from fairseq.trainer import Trainer
+
+    from fairseq_vasso import trainer_hooks
+
+    extra = ["--dropout", "0.3", "--update-freq", "2", "--clip-norm", "0.5"]
+    fs.train(fs.model_args(toy_data, tmp_path / "hooked", optimizer="adam", extra=extra))
+    monkeypatch.setattr(Trainer, "train_step", trainer_hooks._stock_train_step)
+    monkeypatch.setattr(Trainer, "__init__", trainer_hooks._stock_init)
+    fs.train(fs.model_args(toy_data, tmp_path / "stock", optimizer="adam", extra=extra))
+    a = _params(fs, tmp_path / "hooked")
+    b = _params(fs, tmp_path / "stock")
+    assert all(torch.equal(a[k], b[k]) for k in a)
