@@ -77,6 +77,9 @@ def register(*, apply_environment=True):
         _hparams.__doc__ = original.__doc__
         registry._hparams = _hparams
 
+    from . import digits_dataset  # RotatedDigits (scikit-learn's digits; docs/digits_results.md)
+    digits_dataset.register(datasets)
+
     if apply_environment:
         _locate.apply_num_workers(datasets)
         _locate.apply_resnet_weights()

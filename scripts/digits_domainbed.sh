@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Domain shift at CPU scale (the VASSO paper's tab.domain, leave-one-domain-out):
+# DomainBed's sweep of ERM, SAM and VASSO over RotatedDigits (scikit-learn's digits,
+# one domain per rotation angle: domainbed_vasso/digits_dataset.py), then the table.
+#
+#   DOMAINBED_ROOT=/path/to/DomainBed bash scripts/digits_domainbed.sh [OUTPUT_DIR]
+#
+# OUTPUT_DIR defaults to sweep/digits (git-ignored). Re-running resumes: DomainBed's
+# sweep skips the jobs that are done. 3 algorithms x 3 trials x 10 test-domain sets
+# (4 single + 6 pairs, the pairs being what leave-one-domain-out selection needs)
+# = 90 jobs of 301 steps, default hparams (hparams_seed 0: rho 0.05, VASSO theta 0.4,
+# Adam lr 1e-3, batch 64 per domain, MLP featurizer 64-128-128). Each child runs on
+# one thread (OMP_NUM_THREADS=1). Extra arguments go to the sweep (e.g. --n_trials 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${1:-sweep/digits}
+shift || true
+: "${DOMAINBED_ROOT:?set DOMAINBED_ROOT to a DomainBed checkout (git clone https://github.com/facebookresearch/DomainBed)}"
+export DOMAINBED_ROOT OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+HPARAMS='{"mlp_width": 128, "mlp_depth": 3, "mlp_dropout": 0.0, "lr": 0.001, "batch_size": 64}'
+mkdir -p "$OUT"
+"$PY" -m domainbed_vasso.sweep launch --datasets RotatedDigits --algorithms ERM SAM VASSO \
+    --data_dir "$OUT/unused_data_dir" --output_dir "$OUT" --command_launcher local \
+    --n_hparams 1 --n_trials 3 --hparams "$HPARAMS" --skip_confirmation "$@"
+"$PY" scripts/domainbed_tables.py "$OUT" --datasets RotatedDigits --selection loo iid
+"$PY" - <<'PYEOF'
+import os, sys
+sys.path.insert(0, "scripts")
+import domainbed_tables as T
+print("### Paper (tab.domain; ResNet-50 fine-tuned with Adam on PACS, VLCS, OfficeHome,")
+print("TerraIncognita, leave-one-domain-out; not comparable in value: compare the ordering)\n")
+print("| Dataset | " + " | ".join(T.PAPER_METHODS) + " |")
+print("|---|" + "|".join([":---:"] * len(T.PAPER_METHODS)) + "|")
+for d in T.PAPER_DATASETS:
+    print(f"| {d} | " + " | ".join(f"{T.PAPER[d]['average'][m][0]:.1f} ± {T.PAPER[d]['average'][m][1]:.1f}"
+                                   for m in T.PAPER_METHODS) + " |")
+print("| Average | " + " | ".join(f"{T.PAPER_OVERALL[m]:.1f}" for m in T.PAPER_METHODS) + " |")
+print("\n(paper's Adam column = ERM here)")
+PYEOF
