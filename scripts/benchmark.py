@@ -45,6 +45,7 @@ the targets are reported as PASS/MISS.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import math
@@ -57,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -100,7 +102,7 @@ TINY_MODELS: Dict[str, Dict[str, Any]] = {
 # mode -> timing repeats, updates per block, warm-up updates, memory repeats, memory updates,
 #         fairseq repeats, fairseq max-update, fairseq optimizers
 MODES = {
-    "full": dict(reps=15, block=4, warmup=3, mem_reps=2, mem_steps=6, mem_models=None, fs_reps=3, fs_updates=80,
+    "full": dict(reps=15, block=4, warmup=3, mem_reps=2, mem_steps=6, mem_models=None, fs_reps=3, fs_updates=40,
                  fs_optimizers=("adam", "sam", "vasso")),
     "quick": dict(reps=5, block=2, warmup=2, mem_reps=1, mem_steps=3, mem_models=("transformer",), fs_reps=1,
                   fs_updates=24, fs_optimizers=("adam", "vasso")),
@@ -269,13 +271,17 @@ class Runner:
     def block(self, n: int) -> Dict[str, float]:
         """Run n updates; per-update seconds of the whole and of its parts."""
         self.t = self._zero()
-        t0 = self.clock()
+        each = []
         for _ in range(n):
+            t0 = self.clock()
             self.update()
-        total = self.clock() - t0
+            each.append(self.clock() - t0)
         t = self.t
         out = {k: t[k] / n for k in ("fwdbwd", "base_step", "perturb", "descend")}
-        out["total"] = total / n
+        out["total"] = sum(each) / n
+        # robust to a time slice lost to another process inside the block; used for the ratios of
+        # the methods whose every update does the same work (not eVASSO: its coin varies the work)
+        out["update_median"] = statistics.median(each)
         out["restore"] = max(out["descend"] - out["base_step"], 0.0) if not self.is_base else 0.0
         # everything an update does beyond forward/backward and the base optimizer's step
         out["sa_work"] = out["total"] - out["fwdbwd"] - out["base_step"]
@@ -304,9 +310,14 @@ def interleaved_timing(model_cfg: Dict[str, Any], methods: Sequence[str], reps: 
     return blocks
 
 
-def paired_ratios(blocks: Dict[str, List[Dict[str, float]]], num: str, den: str, key: str = "total") -> List[float]:
-    """Per-repeat ratios num/den of the same repeat (adjacent in time)."""
-    return [a[key] / b[key] for a, b in zip(blocks[num], blocks[den]) if b[key] > 0]
+def paired_ratios(blocks: Dict[str, List[Dict[str, float]]], num: str, den: str,
+                  key: str = "update_median") -> List[float]:
+    """Per-repeat ratios num/den of the same repeat (adjacent in time), of the blocks'
+    median update time (their mean where a block has no median)."""
+    def get(b):
+        return b.get(key, b["total"])
+
+    return [get(a) / get(b) for a, b in zip(blocks[num], blocks[den]) if get(b) > 0]
 
 
 def median(xs: Sequence[float]) -> float:
@@ -356,17 +367,74 @@ def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+class HeapSampler:
+    """Bytes in use in glibc's malloc (``mallinfo2``: arena + mmapped chunks), which is
+    where torch's CPU tensors live (no caching allocator on CPU).  A thread samples it
+    every ``interval`` seconds and keeps the maximum: the peak of live tensor memory
+    (plus Python's own small allocations), unlike RSS, which keeps pages that malloc
+    freed but did not return.  ``available`` is False off glibc >= 2.33."""
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    def __init__(self, interval: float = 2e-4):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        try:
+            fn = ctypes.CDLL(None).mallinfo2
+            fn.restype = self._Info
+            self._fn = fn
+            self.available = True
+        except (AttributeError, OSError):
+            self._fn = None
+            self.available = False
+
+    def current(self) -> int:
+        if not self._fn:
+            return 0
+        info = self._fn()
+        return int(info.uordblks + info.hblkhd)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.current())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.peak = self.current()
+        if self.available:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, self.current())
+
+
 def memory_child(model_name: str, method: str, steps: int, tiny: bool) -> Dict[str, Any]:
-    """Runs in a fresh process: peak RSS growth over `steps` updates, and state bytes."""
+    """Runs in a fresh process: the growth, over `steps` updates from just after the model
+    and batch were built, of (a) the peak heap in use (glibc mallinfo2, sampled), (b) the
+    heap in use after the last update (gradients + optimizer state + SA buffers), (c) the
+    peak RSS (ru_maxrss); and the state bytes."""
     cfg = (TINY_MODELS if tiny else MODELS)[model_name]
     runner = Runner(method, cfg)
-    before = _maxrss_bytes()
-    for _ in range(steps):
-        runner.update()
-    after = _maxrss_bytes()
+    sampler = HeapSampler()
+    before_rss, before_heap = _maxrss_bytes(), sampler.current()
+    with sampler:
+        for _ in range(steps):
+            runner.update()
+    after_rss, after_heap = _maxrss_bytes(), sampler.current()
     res = state_bytes(runner.opt, runner.model)
-    res.update(model=model_name, method=method, maxrss_before=before, maxrss_after=after,
-               peak_growth=max(after - before, 0))
+    res.update(model=model_name, method=method, maxrss_before=before_rss, maxrss_after=after_rss,
+               peak_growth=max(after_rss - before_rss, 0), heap_available=sampler.available,
+               heap_peak_growth=sampler.peak - before_heap if sampler.available else None,
+               heap_kept_growth=after_heap - before_heap if sampler.available else None)
     return res
 
 
@@ -393,7 +461,9 @@ def run_memory(models: Sequence[str], methods: Sequence[str], reps: int, steps: 
         out[md] = {}
         for m, ss in per.items():
             row = {k: ss[0][k] for k in ("param_bytes", "base_state_bytes", "extra_state_bytes")}
-            row["peak_growth"] = median([s["peak_growth"] for s in ss])
+            for key in ("peak_growth", "heap_peak_growth", "heap_kept_growth"):
+                vals = [s.get(key) for s in ss if s.get(key) is not None]
+                row[key] = median(vals) if vals else None
             out[md][m] = row
     return out
 
@@ -502,33 +572,84 @@ def fairseq_ups(log_text: str) -> List[float]:
     return [float(r["ups"]) for r in records[1:] if "ups" in r]
 
 
+def fairseq_child(step_log: str, argv: Sequence[str]) -> int:
+    """Run fairseq-train in this process with ``Trainer.train_step`` timed (CPU and wall
+    seconds per update, one line per update in ``step_log``).  fairseq_vasso is imported
+    first so that the timer wraps its two-pass step from the outside."""
+    import fairseq_vasso  # noqa: F401  (registers sam/vasso, patches Trainer.train_step)
+    from fairseq.trainer import Trainer
+    from fairseq_cli import train as train_cli
+
+    inner = Trainer.train_step
+    out = open(step_log, "w", encoding="utf-8")
+
+    def timed_train_step(self, *a, **k):
+        c0, w0 = time.process_time(), time.perf_counter()
+        try:
+            return inner(self, *a, **k)
+        finally:
+            out.write(f"{time.process_time() - c0:.6f} {time.perf_counter() - w0:.6f}\n")
+            out.flush()
+
+    Trainer.train_step = timed_train_step
+    sys.argv = ["fairseq-train", *argv]
+    try:
+        train_cli.cli_main()
+    finally:
+        out.close()
+    return 0
+
+
 def run_fairseq(workdir: str, optimizers: Sequence[str], reps: int, max_update: int, threads: int,
                 log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
     data = prepare_fairseq_data(workdir, log=log)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     log_interval = max(max_update // 8, 2)
-    runs: Dict[str, List[float]] = {o: [] for o in optimizers}
+    skip = min(3, max_update // 4)  # warm-up updates left out of the per-update medians
+    runs: Dict[str, List[float]] = {o: [] for o in optimizers}  # fairseq's ups (wall clock)
+    cpu: Dict[str, List[float]] = {o: [] for o in optimizers}  # CPU seconds per train_step
+    paired: Dict[str, List[float]] = {o: [] for o in optimizers}  # per repeat: median over steps of o/adam
     for rep in range(reps):
         k = rep % len(optimizers)
+        step_times: Dict[str, List[float]] = {}
         for o in list(optimizers)[k:] + list(optimizers)[:k]:
             cmd = fairseq_command(data, o, max_update, os.path.join(workdir, f"ckpt-{o}"), log_interval)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+            step_log = os.path.join(workdir, f"steps-{o}.txt")
+            child = [sys.executable, os.path.abspath(__file__), "--fairseq-child", step_log, "--", *cmd[1:]]
+            proc = subprocess.run(child, capture_output=True, text=True, env=env, timeout=900)
             text = proc.stdout + "\n" + proc.stderr
             ups = fairseq_ups(text)
-            if not ups:
-                raise RuntimeError(f"fairseq-train --optimizer {o} logged no train_inner lines "
+            try:
+                with open(step_log, encoding="utf-8") as f:
+                    steps = [float(line.split()[0]) for line in f if line.strip()]
+            except FileNotFoundError:
+                steps = []
+            if not ups or len(steps) <= skip:
+                raise RuntimeError(f"fairseq-train --optimizer {o} did not train "
                                    f"(rc {proc.returncode}):\n{text[-3000:]}")
             runs[o].append(median(ups))
-        log(f"  fairseq repeat {rep + 1}/{reps}: " + ", ".join(f"{o} {runs[o][-1]:.2f} ups" for o in optimizers))
+            cpu[o].append(median(steps[skip:]))
+            step_times[o] = steps
+        if "adam" in step_times:
+            # same --seed, same data order: update i sees the same batch in every run, so the
+            # per-update ratios pair like with like (batch sizes vary a lot under --max-tokens)
+            for o in optimizers:
+                paired[o].append(median([a / b for a, b in zip(step_times[o][skip:], step_times["adam"][skip:])
+                                         if b > 0]))
+        log(f"  fairseq repeat {rep + 1}/{reps}: " + ", ".join(
+            f"{o} {1e3 * cpu[o][-1]:.0f} ms CPU/update, {runs[o][-1]:.2f} ups" for o in optimizers))
     out: Dict[str, Any] = {"ups": {o: median(v) for o, v in runs.items()}, "ups_all": runs,
+                           "cpu_ms": {o: 1e3 * median(v) for o, v in cpu.items()},
+                           "cpu_ms_all": {o: [1e3 * x for x in v] for o, v in cpu.items()},
                            "command": shlex.join(fairseq_command("DATA", "vasso", max_update, "SAVE", log_interval))}
     for o in optimizers:
         if o != "adam":
-            rs = [a / b for a, b in zip(runs["adam"], runs[o]) if b > 0]  # time per update ratio
-            out[f"{o}_time_over_adam"] = median(rs)
+            out[f"{o}_time_over_adam"] = median(paired[o])
+            out[f"{o}_time_over_adam_all"] = paired[o]
+            out[f"{o}_ups_time_over_adam"] = median([a / b for a, b in zip(runs["adam"], runs[o]) if b > 0])
     if "sam" in runs and "vasso" in runs:
-        out["vasso_time_over_sam"] = median([s / v for s, v in zip(runs["sam"], runs["vasso"]) if v > 0])
+        out["vasso_time_over_sam"] = median([v / s for s, v in zip(paired["sam"], paired["vasso"]) if s > 0])
     return out
 
 
@@ -646,31 +767,46 @@ def render(results: Dict[str, Any]) -> str:
     mem = results.get("memory", {})
     if state:
         out += ["### Optimizer state and peak memory", "",
-                "State in units of the parameters' bytes. Peak memory: growth of the process's peak RSS "
-                "(ru_maxrss) over the updates, one fresh process per method, median of the repeats; "
-                "extra = growth - AdamW's growth, in parameter bytes.", ""]
+                "State in units of the parameters' bytes (base: AdamW's exp_avg, exp_avg_sq, step; extra: "
+                "`state_nbytes()`). Memory: one fresh process per method, median of the repeats, growth over "
+                "the updates from just after the model and batch were built. *Peak heap*: the most bytes in use "
+                "in glibc malloc (mallinfo2, where torch keeps CPU tensors), sampled every 0.2 ms by a thread "
+                "(a sampled peak: it can miss a short spike). *Extra peak* = peak heap growth - AdamW's, in "
+                "parameter bytes. *Peak RSS* (ru_maxrss) is given too but is coarse: it keeps pages malloc "
+                "freed earlier (model building), so its growth understates.", ""]
         rows = []
         for md, per in state.items():
-            base_growth = mem.get(md, {}).get("adamw", {}).get("peak_growth")
+            base_heap = mem.get(md, {}).get("adamw", {}).get("heap_peak_growth")
             for meth, s in per.items():
                 pb = s["param_bytes"]
-                g = mem.get(md, {}).get(meth, {}).get("peak_growth")
-                extra = (g - base_growth) / pb if g is not None and base_growth is not None else None
+                mrow = mem.get(md, {}).get(meth, {})
+                g, h = mrow.get("peak_growth"), mrow.get("heap_peak_growth")
+                extra = (h - base_heap) / pb if h is not None and base_heap is not None else None
                 label = {**METHODS, **STATE_ONLY}[meth][0]
                 rows.append([md, label, f"{pb / 2**20:.2f} MiB", _fmt(s["base_state_bytes"] / pb, ".3f"),
                              _fmt(s["extra_state_bytes"] / pb, ".3f"),
-                             "n/a" if g is None else f"{g / 2**20:.1f} MiB", _fmt(extra, "+.2f")])
+                             "n/a" if h is None else f"{h / 2**20:.1f} MiB", _fmt(extra, "+.2f"),
+                             "n/a" if g is None else f"{g / 2**20:.1f} MiB"])
         out += [_md_table(["model", "method", "param bytes", "base state / params", "extra state / params",
-                           "peak RSS growth", "extra peak / params"], rows), ""]
+                           "peak heap growth", "extra peak / params", "peak RSS growth"], rows), ""]
 
     fs = results.get("fairseq")
     if fs:
-        out += ["### fairseq-train (toy de-en, transformer 2+2 layers, d=128; fairseq's own ups)", ""]
-        rows = [[o, _fmt(u, ".2f"), ", ".join(_fmt(x, ".2f") for x in fs["ups_all"][o]),
-                 _fmt(fs.get(f"{o}_time_over_adam"), ".3f") if o != "adam" else "1"] for o, u in fs["ups"].items()]
-        out += [_md_table(["--optimizer", "updates/sec (median)", "per run", "time per update over adam"], rows), ""]
+        out += ["### fairseq-train (toy de-en corpus, transformer 2+2 layers, d=128, --max-tokens 2048)", "",
+                "CPU ms per update: the process CPU time of each `Trainer.train_step` (timed from outside "
+                "fairseq_vasso's two-pass step), median over a run's updates after the first 3, then over runs. "
+                "Time ratio: every run has the same seed and so the same batches in the same order; the ratio "
+                "is the median over updates of (this run's update i) / (adam's update i), then the median over "
+                "the interleaved repeats. updates/sec: fairseq's own `ups` (wall clock, so it carries the "
+                "machine's other load), median over a run's log lines after the first.", ""]
+        rows = [[o, _fmt(fs["cpu_ms"][o], ".1f"), ", ".join(_fmt(x, ".1f") for x in fs["cpu_ms_all"][o]),
+                 _fmt(fs.get(f"{o}_time_over_adam"), ".3f") if o != "adam" else "1",
+                 _fmt(u, ".2f"), _fmt(1.0 / fs[f"{o}_ups_time_over_adam"], ".3f") if o != "adam" else "1"]
+                for o, u in fs["ups"].items()]
+        out += [_md_table(["--optimizer", "CPU ms/update", "per run", "time per update over adam",
+                           "updates/sec (fairseq ups)", "ups over adam's"], rows), ""]
         if "vasso_time_over_sam" in fs:
-            out.append(f"- VASSO / SAM (time per update, fairseq): {_fmt(fs['vasso_time_over_sam'])}")
+            out.append(f"- VASSO / SAM (CPU time per update, fairseq): {_fmt(fs['vasso_time_over_sam'])}")
         out += [f"- command (one run): `{fs['command']}`", ""]
     elif results.get("fairseq_skipped"):
         out += [f"fairseq-train: skipped ({results['fairseq_skipped']}).", ""]
@@ -747,9 +883,13 @@ def main(argv=None):
     ap.add_argument("--markdown", help="also write the report to this file")
     ap.add_argument("--json", help="also write the raw results (every block) to this file")
     ap.add_argument("--memory-child", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
+    ap.add_argument("--fairseq-child", metavar="STEP_LOG", help=argparse.SUPPRESS)
+    ap.add_argument("fairseq_args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--mem-steps", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    if args.fairseq_child:
+        return fairseq_child(args.fairseq_child, args.fairseq_args)
     torch.set_num_threads(args.threads)
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child[0], args.memory_child[1], args.mem_steps, args.tiny)))

@@ -40,7 +40,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 DIAGNOSTIC_KEYS = ("stability", "loss_gap", "sharpness", "ascent_norm", "two_pass", "rho")
 
-_TAG_RE = re.compile(r"\|\s*(train_inner|train|valid|valid_\w+|test)\s*\|\s?(.*)$")
+_TAGS = r"(train_inner|train|valid|valid_\w+|test)"
+# "2026-.. | INFO | train_inner | ..." (fairseq-train's console format) or "INFO:train_inner:..." (logging's
+# default format, when fairseq runs inside a process that configured logging first)
+_TAG_RE = re.compile(r"\|\s*" + _TAGS + r"\s*\|\s?(.*)$")
+_TAG_RE_DEFAULT = re.compile(r"^(?:[A-Z]+):" + _TAGS + r":(.*)$")
 _INNER_PREFIX_RE = re.compile(r"^epoch\s+\d+:\s+\d+\s*/\s*\d+\s+")
 _OPT_RE = re.compile(r"'optimizer':\s*\{'_name':\s*'(\w+)'([^}]*)\}")
 _NUM_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(nan|inf)$", re.IGNORECASE)
@@ -66,7 +70,8 @@ def parse_fairseq_line(line: str) -> Optional[Dict[str, object]]:
     ``--log-format simple`` (``| train_inner | epoch 001:  10 / 15 loss=9.8, ups=12, ...``
     and ``| train | epoch 001 | loss 9.671 | ups 12 | ...``).
     """
-    m = _TAG_RE.search(line.rstrip("\n"))
+    line = line.rstrip("\n")
+    m = _TAG_RE.search(line) or _TAG_RE_DEFAULT.match(line.strip())
     if not m:
         return None
     tag, payload = m.group(1), m.group(2).strip()

@@ -89,3 +89,12 @@ def test_domainbed_results(diag, tmp_path):
     erm = tmp_path / "erm.jsonl"
     erm.write_text(json.dumps({"step": 0, "loss": 1.0, "args": {"algorithm": "ERM"}, "hparams": {}}) + "\n")
     assert diag.load_run(str(erm)).series == {}
+
+
+def test_logging_default_format(diag):
+    # fairseq run inside a process whose logging was configured before fairseq_cli.train's
+    rec = diag.parse_fairseq_line('INFO:train_inner:{"epoch": 1, "ups": "1.3", "num_updates": "2", '
+                                  '"stability": "0.05"}')
+    assert rec["_tag"] == "train_inner" and rec["stability"] == 0.05 and rec["ups"] == 1.3
+    assert diag.parse_fairseq_line("INFO:fairseq_cli.train:done training in 8.1 seconds") is None
+    assert diag.parse_fairseq_line('INFO:train:{"epoch": 1, "train_loss": "10.58"}')["loss"] == 10.58
