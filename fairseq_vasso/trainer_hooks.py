@@ -120,9 +120,10 @@ def check_config(cfg) -> None:
     if _sel(cfg, "common.amp", False):
         refuse("--amp", "torch's GradScaler unscales once per step, the two-pass step needs two; "
                         "use --fp16 --fp16-no-flatten-grads")
-    if (_sel(cfg, "common.fp16", False) or _sel(cfg, "common.bf16", False)) and not _sel(
-            cfg, "common.fp16_no_flatten_grads", False):
-        refuse("--fp16/--bf16 without --fp16-no-flatten-grads",
+    if _sel(cfg, "common.bf16", False):
+        refuse("--bf16", "fairseq runs --bf16 on TPUs only (it implies --tpu), which is not tested here")
+    if _sel(cfg, "common.fp16", False) and not _sel(cfg, "common.fp16_no_flatten_grads", False):
+        refuse("--fp16 without --fp16-no-flatten-grads",
                "the ascent works on per-parameter fp32 master copies; add --fp16-no-flatten-grads")
     if _sel(cfg, "common.tpu", False):
         refuse("--tpu", "not tested on XLA")

@@ -190,6 +190,7 @@ def test_fp32_nonfinite_raises_floating_point_error(toy_data, tmp_path, fs, whic
     (["--fp16", "--memory-efficient-fp16"], "--memory-efficient-fp16"),
     (["--fp16"], "--fp16-no-flatten-grads"),
     (["--amp"], "--amp"),
+    (["--bf16"], "--bf16"),
     (["--use-bmuf"], "--use-bmuf"),
     (["--ddp-backend", "slowmo"], "slowmo"),
     (["--zero-sharding", "os"], "--zero-sharding"),
