@@ -229,7 +229,10 @@ def _two_pass_train_step(trainer, sa, samples, raise_oom):
             if fp16 is not None:
                 fp16._sync_fp32_params_to_fp16()
     if sa.last_step_taken:
-        _log_diagnostics(sa, ctx)
+        # the aggregation context of fairseq's own train_step stats (decorated with
+        # metrics.aggregate("train")), plus whatever the caller has active ("train_inner")
+        with metrics.aggregate("train"):
+            _log_diagnostics(sa, ctx)
     return out
 
 
