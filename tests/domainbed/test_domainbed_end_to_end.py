@@ -109,9 +109,11 @@ def test_sweep_children_know_vasso_and_collect_results_reads_it(tmp_path):
     out = tmp_path / "sweep"
     cmd = [PY, "-m", "domainbed_vasso.sweep", "launch", "--datasets", "Debug28",
            "--algorithms", "ERM", "VASSO", "--n_hparams", "1", "--n_trials", "1", "--single_test_envs",
-           "--steps", "1", "--command_launcher", "local", "--skip_confirmation",
+           "--steps", "1", "--command_launcher", "multi_gpu", "--skip_confirmation",
            "--hparams", '{"batch_size": 8}', "--data_dir", str(tmp_path), "--output_dir", str(out)]
-    [(code, output)] = run_all([cmd], timeout=900)
+    # DomainBed's multi_gpu launcher runs one job per entry of CUDA_VISIBLE_DEVICES, each
+    # prefixed with CUDA_VISIBLE_DEVICES=<i>: two at a time here (on CPU if there is no GPU)
+    [(code, output)] = run_all([cmd], timeout=900, CUDA_VISIBLE_DEVICES="0,1")
     assert code == 0, output[-3000:]
     assert "Launched 6 jobs" in output
     runs = sorted(os.listdir(out))
