@@ -28,6 +28,9 @@ def test_paired_ratios_and_medians(bench):
     assert s["methods"]["sam"]["over_base"] == pytest.approx(2.0)
     assert s["methods"]["sam"]["ratio_kind"] == "median of paired repeats"
     assert s["vasso_over_sam"] == pytest.approx(1.0)  # median of 1.05, 1.0, 1.0
+    assert s["vasso_over_sam_iqr"][0] <= 1.0 <= s["vasso_over_sam_iqr"][1]
+    # from the parts: SAM's median update 2.4 s, VASSO's SA work (median 0.2 s) - SAM's (median 0.3 s)
+    assert s["vasso_over_sam_from_parts"] == pytest.approx((2.4 - 0.1) / 2.4)
     assert s["methods"]["sam"]["total"] == pytest.approx(2400.0)  # ms, median of the blocks
     assert s["methods"]["sam"]["sa_share"] == pytest.approx(0.05)  # (2 - 1.8 - 0.1) / 2, (6-5.4-0.3)/6, ...
     assert s["methods"]["sam"]["two_pass_fraction"] == 1.0 and s["methods"]["adamw"]["two_pass_fraction"] is None
@@ -127,3 +130,6 @@ def test_cli_tiny_report(bench, tmp_path, capsys):
     assert "### Targets" in text and "| transformer | VASSO |" in text and "torch " + torch.__version__ in text
     assert "fairseq-train: skipped (--no-fairseq)" in text
     assert "PASS" in text or "MISS" in text
+    again = tmp_path / "again.md"
+    assert bench.main(["--render", str(tmp_path / "b.json"), "--markdown", str(again)]) == 0
+    assert again.read_text().split("### Targets")[1] == text.split("### Targets")[1]
