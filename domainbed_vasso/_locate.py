@@ -70,8 +70,15 @@ def import_domainbed():
 
 def child_pythonpath():
     """A PYTHONPATH under which child processes find both this package and DomainBed."""
+    import site
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    entries = [here, domainbed_root()]
+    installed = set()
+    try:
+        installed = {os.path.abspath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
+    except AttributeError:  # some virtualenv flavours lack getsitepackages
+        pass
+    # a pip-installed domainbed_vasso is found anyway: keep site-packages off PYTHONPATH
+    entries = ([] if here in installed else [here]) + [domainbed_root()]
     old = os.environ.get("PYTHONPATH")
     if old:
         entries += [e for e in old.split(os.pathsep) if e]
