@@ -140,7 +140,6 @@ class FairseqSharpnessAware(FairseqOptimizer):
         check_flags(cfg)
         self._optimizer = self.core_class(params, _FairseqAdam, **self._core_kwargs(), **self.optimizer_config)
         self._in_flight = False  # perturb() called, descend()/abandon() not yet
-        self._anchor = self._anchor_params = None  # exact copy of x_t (--fp16)
         self.last_step_taken = False
         self.last_diagnostics = {}
 
@@ -178,14 +177,9 @@ class FairseqSharpnessAware(FairseqOptimizer):
         """
         self.last_step_taken = False
         self._in_flight = True
-        params = [p for p in self.params if p.grad is not None]
-        self._anchor = [p.detach().clone() for p in params] if exact_restore else None
-        self._anchor_params = params if exact_restore else None
+        self._optimizer.exact_restore = bool(exact_restore)
         try:
-            two_pass = self._optimizer.perturb()
-            if not two_pass:
-                self._anchor = self._anchor_params = None  # nothing moved
-            return two_pass
+            return self._optimizer.perturb()
         except BaseException:
             self.abandon()
             raise
@@ -193,10 +187,6 @@ class FairseqSharpnessAware(FairseqOptimizer):
     def restore(self) -> None:
         """Put x_t back (idempotent)."""
         self._optimizer.restore()
-        if getattr(self, "_anchor", None) is not None:
-            with torch.no_grad():
-                torch._foreach_copy_(self._anchor_params, self._anchor)
-            self._anchor = self._anchor_params = None
 
     def abandon(self) -> None:
         """Restore x_t and drop the step in flight (the host skipped the update)."""
