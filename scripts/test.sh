@@ -5,4 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# The tests use tiny models, often in several processes at once: one thread each
+# avoids OpenMP spinning against the other processes on small machines.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "${VENV:-.venv}/bin/python" -m pytest "$@"
