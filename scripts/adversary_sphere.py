@@ -113,10 +113,12 @@ def main(argv=None):
     ap.add_argument("--burn-in", type=int, default=20, help="EMA steps drawn and dropped first (default 20)")
     ap.add_argument("--snr", type=float, nargs="+", default=list(SNRS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dpi", type=int, default=130)
     args = ap.parse_args(argv)
     if not 0.0 < args.theta <= 1.0:
         ap.error("--theta must be in (0, 1]")
-    rows = plot(args.out, snrs=args.snr, n=args.n, theta=args.theta, burn_in=args.burn_in, seed=args.seed)
+    rows = plot(args.out, snrs=args.snr, n=args.n, theta=args.theta, burn_in=args.burn_in, seed=args.seed,
+                dpi=args.dpi)
     print("| SNR | method | mean angle to grad f (deg) | mean ||eps_t - eps_{t-1}|| (rho = 1) |")
     print("|---|---|---|---|")
     for r in rows:

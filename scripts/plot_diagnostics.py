@@ -335,6 +335,7 @@ def main(argv=None):
     ap.add_argument("--smooth", type=int, default=1, help="moving average over this many points")
     ap.add_argument("--logy", action="store_true", help="log scale for the stability panel")
     ap.add_argument("--title")
+    ap.add_argument("--dpi", type=int, default=130)
     args = ap.parse_args(argv)
     runs = [load_run(s) for s in args.runs]
     seen: Dict[str, int] = {}
@@ -344,9 +345,10 @@ def main(argv=None):
             r.label = f"{r.label} #{seen[r.label]}"
     empty = [r.label for r in runs if "stability" not in r.series and "loss_gap" not in r.series]
     for label in empty:
-        print(f"warning: {label}: no stability/loss_gap values found (fairseq: use --log-format simple or json "
-              f"and --optimizer sam|vasso)", file=sys.stderr)
-    plot_runs(runs, args.out, smooth=args.smooth, title=args.title, logy=args.logy)
+        print(f"warning: {label}: no stability/loss_gap values found (fairseq: --optimizer sam|vasso with "
+              f"--log-format simple or json; DomainBed: an algorithm of domainbed_vasso, e.g. SAM, GSAM, VASSO)",
+              file=sys.stderr)
+    plot_runs(runs, args.out, smooth=args.smooth, title=args.title, logy=args.logy, dpi=args.dpi)
     print(summary(runs))
     print(f"wrote {args.out}")
     return 0 if len(empty) < len(runs) else 1
