@@ -28,6 +28,7 @@ use of 2 CPU cores. Runs are judged by their logs: a fairseq-train that logged
 import argparse
 import os
 import re
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,15 +40,18 @@ DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 
 
 
-def tiny_model(embed_dim=128, layers=2):
+def tiny_model(embed_dim=128, layers=2, lr=2e-3, warmup=200):
     """A tiny transformer (heads: 4) with the recipe's training settings, scaled down."""
+    settings = list(TRAIN_SETTINGS)
+    settings[settings.index("--lr") + 1] = str(lr)
+    settings[settings.index("--warmup-updates") + 1] = str(warmup)
     return [
         "--task", "translation", "--arch", "transformer", "--share-decoder-input-output-embed",
         "--encoder-layers", str(layers), "--decoder-layers", str(layers),
         "--encoder-embed-dim", str(embed_dim), "--decoder-embed-dim", str(embed_dim),
         "--encoder-ffn-embed-dim", str(2 * embed_dim), "--decoder-ffn-embed-dim", str(2 * embed_dim),
         "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-    ] + TRAIN_SETTINGS
+    ] + settings
 
 
 TRAIN_SETTINGS = [
@@ -105,7 +109,7 @@ def train_one(data, method, out, args, user_dir, threads):
     if args.cpu:
         extra.append("--cpu")
     cmd = train_command(data, method, args.seed, save_dir, rho=args.rho, max_epoch=0, user_dir=user_dir,
-                        extra=extra, settings=tiny_model(args.embed_dim, args.layers))
+                        extra=extra, settings=tiny_model(args.embed_dim, args.layers, args.lr, args.warmup_updates))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     log = os.path.join(save_dir, "train.log")
     start = time.time()
@@ -122,7 +126,7 @@ def last_epoch_stats(log_path):
             m = re.search(r"\| (train|valid) \| epoch \d+ (.*)$", line)
             if m:
                 kind = m.group(1)
-                for part in m.group(2).split(" | "):
+                for part in m.group(2).split("|"):
                     kv = part.strip().split(" ", 1)
                     if len(kv) == 2:
                         stats["%s_%s" % (kind, kv[0])] = kv[1]
@@ -134,7 +138,8 @@ def diagnostics_table(methods, out, seed):
 
     cols = [("train_loss", "train loss"), ("valid_loss", "valid loss"), ("valid_best_loss", "best valid loss"),
             ("train_ascent_norm", "ascent norm"), ("train_loss_gap", "loss gap"),
-            ("train_sharpness", "rho*||v||"), ("train_stability", "||eps_t - eps_t-1||"), ("train_wall", "train s")]
+            ("train_sharpness", "sharpness ρ‖v_t‖"), ("train_stability", "stability ‖ε_t − ε_{t−1}‖"),
+            ("train_two_pass", "two-pass fraction"), ("train_wall", "train wall s")]
     lines = ["| Method | " + " | ".join(c[1] for c in cols) + " |", "|" + "|".join(["---"] * (len(cols) + 1)) + "|"]
     for method in methods:
         stats = last_epoch_stats(os.path.join(out, "runs", method, "seed%d" % seed, "train.log"))
@@ -157,6 +162,11 @@ def main(argv=None):
     p.add_argument("--bpe-merges", type=int, default=300)
     p.add_argument("--embed-dim", type=int, default=128, help="model width (ffn: twice that)")
     p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-updates", type=int, default=200)
+    p.add_argument("--generate-args", default="--max-len-a 1.2 --max-len-b 10",
+                   help="extra fairseq-generate arguments (default: the length limits of fairseq README's "
+                        "validation BLEU, which keep a badly trained model from generating 200 tokens)")
     p.add_argument("--jobs", type=int, default=2, help="training runs at once")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: cores / jobs)")
     p.add_argument("--cpu", action="store_true", help="train on CPU even where CUDA is available")
@@ -201,12 +211,14 @@ def main(argv=None):
     if failed:
         raise SystemExit("training failed: %s" % ", ".join(failed))
 
-    log("evaluating with fairseq-generate --beam 5 --remove-bpe")
+    log("evaluating with fairseq-generate --beam 5 --remove-bpe %s" % args.generate_args)
     cpu = True if args.cpu else None
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
 
     def score(method):
         ckpt = os.path.join(out, "runs", method, "seed%d" % args.seed, "checkpoint_best.pt")
-        r = eval_bleu.evaluate_checkpoint(data, ckpt, user_dir=user_dir, cpu=cpu, ref_file=ref_file)
+        r = eval_bleu.evaluate_checkpoint(data, ckpt, user_dir=user_dir, cpu=cpu, ref_file=ref_file,
+                                          extra=shlex.split(args.generate_args), env=env)
         r.update(method=method, seed=args.seed)
         return r
 
@@ -216,9 +228,11 @@ def main(argv=None):
     diag = diagnostics_table(args.methods, out, args.seed)
     text = ("\nToy de-en demo: test BLEU after %d updates (seed %d, rho %g; %d test sentences)\n\n%s\n"
             "The paper's column is IWSLT-14 de-en (a far larger task), for reference only.\n"
-            "fairseq BLEU: tokenized BLEU4 of fairseq-generate; sacreBLEU: %s on detokenized text.\n\n"
+            "fairseq BLEU: tokenized BLEU4 of fairseq-generate --beam 5 --remove-bpe %s; "
+            "sacreBLEU: %s on detokenized text.\n\n"
             "Last epoch's training diagnostics (fairseq_vasso's log keys; '-' where a method has none):\n\n%s"
-            % (args.max_update, args.seed, args.rho, results[0]["n"], table, results[0]["sacrebleu_signature"], diag))
+            % (args.max_update, args.seed, args.rho, results[0]["n"], table, args.generate_args,
+               results[0]["sacrebleu_signature"], diag))
     print(text)
     with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(text)

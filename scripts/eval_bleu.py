@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import struct
 import subprocess
@@ -135,13 +136,13 @@ def sacrebleu_score(hyps, refs, lang="en"):
 
 
 def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=128, user_dir=None,
-                        cpu=None, lang="en", ref_file=None, results_dir=None, extra=()):
+                        cpu=None, lang="en", ref_file=None, results_dir=None, extra=(), env=None):
     """Runs fairseq-generate on one checkpoint and scores it; returns a dict of results."""
     results_dir = results_dir or os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "generate-" + subset)
     cmd = generate_command(data, checkpoint, results_dir, subset=subset, beam=beam, batch_size=batch_size,
                            user_dir=user_dir, cpu=cpu, extra=extra)
     log = os.path.join(results_dir, "generate.log")
-    rc = nmt_common.run_logged(cmd, log)
+    rc = nmt_common.run_logged(cmd, log, env=env)
     out_file = os.path.join(results_dir, "generate-%s.txt" % subset)
     if rc != 0 or not os.path.exists(out_file):
         raise RuntimeError("fairseq-generate failed (exit status %d) on %s:\n%s" % (rc, checkpoint, nmt_common.tail(log)))
@@ -247,6 +248,8 @@ def main(argv=None):
     p.add_argument("--ref-file", help="tokenized plain-text reference for sacreBLEU (default: the T- lines)")
     p.add_argument("--cpu", action="store_true", default=None, help="force --cpu (default: when CUDA is absent)")
     p.add_argument("--jobs", type=int, default=1, help="fairseq-generate processes at once")
+    p.add_argument("--generate-args", default="",
+                   help="more fairseq-generate arguments, one string, e.g. \"--max-len-a 1.2 --max-len-b 10\"")
     p.add_argument("--no-paper", action="store_true", help="leave out the paper's column")
     p.add_argument("--title", default=None)
     p.add_argument("--out", help="also write the markdown table here")
@@ -270,7 +273,8 @@ def main(argv=None):
     def one(job):
         method, seed, path = job
         r = evaluate_checkpoint(a.data, path, subset=a.subset, beam=a.beam, batch_size=a.batch_size,
-                                user_dir=a.user_dir, cpu=a.cpu, lang=a.lang, ref_file=a.ref_file)
+                                user_dir=a.user_dir, cpu=a.cpu, lang=a.lang, ref_file=a.ref_file,
+                                extra=shlex.split(a.generate_args))
         r.update(method=method, seed=seed)
         print("%s seed %d: fairseq BLEU %.2f, sacreBLEU %.2f (%d sentences) %s"
               % (method, seed, r["fairseq_bleu"], r["sacrebleu"], r["n"], path), flush=True)

@@ -32,8 +32,8 @@ def demo_run(tmp_path_factory):
     fairseq-generate output uses this one run.
     """
     out = tmp_path_factory.mktemp("demo") / "demo"
-    proc = run_script("demo.py", "--out", out, "--train", 500, "--valid", 40, "--test", 60,
-                      "--max-update", 40, "--bpe-merges", 100, "--methods", "adamw", "sam", "vasso0.4",
+    proc = run_script("demo.py", "--out", out, "--train", 500, "--valid", 40, "--test", 40,
+                      "--max-update", 60, "--lr", "5e-3", "--warmup-updates", 30, "--bpe-merges", 100, "--methods", "adamw", "sam", "vasso0.4",
                       "--embed-dim", 32, "--layers", 1, timeout=900)
     return str(out), proc.stdout
 

@@ -1,0 +1,116 @@
+"""scripts/eval_bleu.py and scripts/demo.py on real fairseq-generate output of tiny models
+trained by a scaled-down demo run (see conftest.demo_run)."""
+
+import json
+import math
+import os
+import re
+import shutil
+
+import pytest
+
+import eval_bleu
+
+METHODS = ["adamw", "sam", "vasso0.4"]
+
+
+def test_demo_runs_end_to_end(demo_run):
+    out, stdout = demo_run
+    assert "| AdamW | 34.66 |" in stdout
+    assert "| SAM | 34.75 |" in stdout
+    assert "| VASSO (theta=0.4) | 34.88 |" in stdout
+    with open(os.path.join(out, "results.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert "Toy de-en demo" in text and "sacreBLEU" in text
+    # the diagnostics table shows fairseq_vasso's log keys for the two-pass methods only
+    diag = {l.split(" | ")[0].strip("| "): l for l in text.splitlines() if l.startswith("| ")}
+    assert diag["VASSO (theta=0.4)"].count(" - ") < diag["AdamW"].count(" - ")
+    for m in METHODS:
+        assert os.path.exists(os.path.join(out, "runs", m, "seed1", "checkpoint_best.pt"))
+        assert os.path.exists(os.path.join(out, "runs", m, "seed1", "generate-test", "generate-test.txt"))
+
+
+def test_parse_real_generate_output(demo_run):
+    """H/T lines and the BLEU4 line of fairseq-generate, cross-checked with sacrebleu."""
+    import sacrebleu
+
+    out, _ = demo_run
+    data = os.path.join(out, "data-bin")
+    n = eval_bleu.dataset_size(data, "test")
+    assert n == 40
+    with open(os.path.join(out, "tok", "test.en"), encoding="utf-8") as f:
+        refs_plain = f.read().split("\n")[:-1]
+    for m in METHODS:
+        path = os.path.join(out, "runs", m, "seed1", "generate-test", "generate-test.txt")
+        parsed = eval_bleu.parse_generate(path)
+        assert parsed["ids"] == list(range(n))  # no sentence dropped
+        assert parsed["subset"] == "test" and parsed["beam"] == 5
+        assert parsed["refs"] == refs_plain  # T- lines are the BPE-removed references
+        assert not any("@@" in h for h in parsed["hyps"])
+        # fairseq's BLEU4 is tokenized BLEU on these strings
+        ours = sacrebleu.corpus_bleu(parsed["hyps"], [parsed["refs"]], tokenize="none", smooth_method="none",
+                                     force=True)
+        assert math.isclose(ours.score, parsed["bleu"], abs_tol=0.011), (m, ours.score, parsed["bleu"])
+        # "BLEU4 = b, p1/p2/p3/p4 (BP=.., ratio=.., syslen=N, reflen=M)"
+        fields = re.search(r"BLEU4 = [0-9.]+, ([0-9.]+)/([0-9.]+)/([0-9.]+)/([0-9.]+) .*syslen=(\d+), reflen=(\d+)",
+                           parsed["bleu_line"]).groups()
+        assert [int(fields[4]), int(fields[5])] == [ours.sys_len, ours.ref_len]
+        for theirs, mine in zip(fields[:4], ours.precisions):
+            assert abs(float(theirs) - mine) <= 0.051, (m, parsed["bleu_line"], ours.precisions)
+        # sacreBLEU on detokenized text
+        sacre, sig = eval_bleu.sacrebleu_score(parsed["hyps"], parsed["refs"])
+        assert 0.0 <= sacre <= 100.0 and "tok:13a" in sig
+
+
+def test_eval_bleu_cli_mean_std_and_paper(demo_run, script, tmp_path):
+    out, _ = demo_run
+    runs = tmp_path / "runs"
+    # AdamW with two seeds (the second a copy of the same real checkpoint), SAM with one
+    for method, seed, src in [("adamw", 1, "adamw"), ("adamw", 2, "adamw"), ("sam", 3, "sam")]:
+        d = runs / method / ("seed%d" % seed)
+        d.mkdir(parents=True)
+        shutil.copy(os.path.join(out, "runs", src, "seed1", "checkpoint_best.pt"), d / "checkpoint_best.pt")
+    # the demo already scored these checkpoints: the scores must match its own
+    sam_demo = os.path.join(out, "runs", "sam", "seed1", "generate-test")
+    js, md = tmp_path / "r.json", tmp_path / "r.md"
+    proc = script("eval_bleu.py", os.path.join(out, "data-bin"), "--runs", runs, "--jobs", 3,
+                  "--generate-args", "--max-len-a 1.2 --max-len-b 10",
+                  "--ref-file", os.path.join(out, "tok", "test.en"), "--json", js, "--out", md)
+    results = json.loads(js.read_text())
+    assert sorted((r["method"], r["seed"]) for r in results) == [("adamw", 1), ("adamw", 2), ("sam", 3)]
+    a1, a2 = [r for r in results if r["method"] == "adamw"]
+    assert a1["fairseq_bleu"] == a2["fairseq_bleu"] and a1["n"] == 40
+    s = [r for r in results if r["method"] == "sam"][0]
+    # same scores as the demo's own evaluation of the same checkpoints
+    demo_adamw = eval_bleu.parse_generate(os.path.join(out, "runs", "adamw", "seed1", "generate-test", "generate-test.txt"))
+    assert a1["fairseq_bleu"] == demo_adamw["bleu"]
+    assert s["fairseq_bleu"] == eval_bleu.parse_generate(os.path.join(sam_demo, "generate-test.txt"))["bleu"]
+    table = md.read_text()
+    assert table in proc.stdout.replace("\r", "")
+    rows = {l.split(" | ")[0].strip("| "): l.split(" | ") for l in table.splitlines() if l.startswith("| ")}
+    assert rows["AdamW"][1] == "34.66" and rows["SAM"][1] == "34.75"
+    assert rows["AdamW"][2] == "%.2f ± 0.00" % a1["fairseq_bleu"]
+    assert rows["AdamW"][3] == "%.2f ± 0.00" % a1["sacrebleu"]
+    assert rows["AdamW"][4] == "2"
+    assert rows["SAM"][2] == "%.2f" % s["fairseq_bleu"]
+    assert rows["SAM"][3] == "%.2f" % s["sacrebleu"]
+    assert "s3: %.2f / %.2f" % (s["fairseq_bleu"], s["sacrebleu"]) in rows["SAM"][5]
+
+
+def test_markdown_table_statistics():
+    rs = [dict(method="sam", seed=s, fairseq_bleu=b, sacrebleu=b - 1) for s, b in [(1, 34.0), (2, 35.0), (3, 36.0)]]
+    rs.append(dict(method="toy", seed=1, fairseq_bleu=10.0, sacrebleu=9.0))
+    table = eval_bleu.markdown_table(rs)
+    assert "| SAM | 34.75 | 35.00 ± 1.00 | 34.00 ± 1.00 | 3 | s1: 34.00 / 33.00, s2: 35.00 / 34.00, s3: 36.00 / 35.00 |" in table
+    assert "| toy | - | 10.00 | 9.00 | 1 | s1: 10.00 / 9.00 |" in table
+    assert "paper" not in eval_bleu.markdown_table(rs, paper_column=False)
+
+
+def test_find_runs_in_recipe_layout(tmp_path):
+    for method, seed in [("vasso0.4", 2), ("adamw", 10), ("adamw", 2), ("other", 1)]:
+        d = tmp_path / method / ("seed%d" % seed)
+        d.mkdir(parents=True)
+        (d / "checkpoint_best.pt").write_bytes(b"")
+    (tmp_path / "sam" / "seed1").mkdir(parents=True)  # no checkpoint: skipped
+    found = [(m, s) for m, s, _ in eval_bleu.find_runs(str(tmp_path))]
+    assert found == [("adamw", 2), ("adamw", 10), ("vasso0.4", 2), ("other", 1)]
