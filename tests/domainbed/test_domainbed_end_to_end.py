@@ -159,13 +159,19 @@ def in_process(script, argv):
 
 
 def test_one_vasso_step_on_debug224_resnet50_without_weights(tmp_path):
+    import torch
     out = tmp_path / "r50"
     hparams = {"batch_size": 2, "resnet50_augmix": False, "rho": 0.05, "theta": 0.4}
-    [(code, output)] = run_all([train_cmd(out, "VASSO", hparams, steps=1, dataset="Debug224",
-                                          extra=("--skip_model_save",))],
+    [(code, output)] = run_all([train_cmd(out, "VASSO", hparams, steps=1, dataset="Debug224")],
                                DOMAINBED_VASSO_RESNET_WEIGHTS="none", OMP_NUM_THREADS="2")
     assert code == 0, output[-3000:]
     [rec] = records(out)
     assert rec["step"] == 0 and rec["two_pass"] == 1.0
     assert rec["ascent_norm"] == pytest.approx(0.05, rel=1e-4)
-    assert rec["hparams"]["resnet50_augmix"] is False
+    assert rec["hparams"]["resnet50_augmix"] is False and rec["hparams"]["freeze_bn"] is False
+    saved = torch.load(out / "model.pkl", map_location="cpu", weights_only=True)
+    tracked = {k: int(v) for k, v in saved["model_dict"].items()
+               if k.startswith("featurizer.") and k.endswith("num_batches_tracked")}
+    assert len(tracked) == 53  # every BatchNorm of ResNet-50
+    # one step, two passes: the running statistics saw the first pass only
+    assert set(tracked.values()) == {1}
