@@ -57,8 +57,13 @@ def test_verdicts(bench):
                           "many-small": {"methods": {}, "vasso_over_sam": 1.2}},
                "state": {"transformer": {"vasso": {"param_bytes": 400, "extra_state_bytes": 400}},
                          "many-small": {"vasso": {"param_bytes": 400, "extra_state_bytes": 404}}}}
-    rows = {(r[0], r[1]): (r[2], r[3]) for r in bench.target_rows(results)}
     T = bench.TARGETS_TEXT
+    results["fairseq"] = {"vasso_time_over_sam": 1.01, "sam_time_over_adam": 2.05, "vasso_time_over_adam": 2.2}
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in bench.target_rows(results)}
+    fs = "fairseq-train (CPU time per update)"
+    assert rows[(T["vasso_over_sam"], fs)] == ("1.010", "PASS")
+    assert rows[(T["sam_over_base"].replace("SAM / AdamW", "SAM / adam"), fs)] == ("2.050", "PASS")
+    assert rows[(T["sam_over_base"].replace("SAM / AdamW", "VASSO / adam"), fs)] == ("2.200", "MISS")
     assert rows[(T["vasso_over_sam"], "transformer")] == ("1.020", "PASS")
     assert rows[(T["vasso_over_sam"], "many-small")] == ("1.200", "MISS")
     assert rows[(T["sam_over_base"], "transformer")] == ("2.050", "PASS")
