@@ -119,3 +119,17 @@ def test_binarize_command_matches_the_readme():
                        "--validpref", "data/iwslt14.tokenized.de-en/valid",
                        "--testpref", "data/iwslt14.tokenized.de-en/test",
                        "--destdir", "data-bin/iwslt14.tokenized.de-en", "--workers", "20", "--joined-dictionary"]
+
+
+def test_download_falls_back_to_the_next_url_and_extracts(tmp_path):
+    """The download step itself, with file:// URLs (no network here): the first URL fails."""
+    raw = write_raw_dir(str(tmp_path / "src"), talks=1)
+    archive = tmp_path / "served" / "de-en.tgz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(raw, arcname="de-en")
+    orig = tmp_path / "orig"
+    out = prep.download(str(orig), urls=["file://" + str(tmp_path / "missing.tgz"), "file://" + str(archive)])
+    assert out == str(orig / "de-en")
+    assert (orig / "de-en.tgz").read_bytes() == archive.read_bytes()
+    assert sorted(os.listdir(out)) == sorted(os.listdir(raw))
