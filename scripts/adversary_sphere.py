@@ -25,7 +25,6 @@ numbers are printed as a table.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Dict, List, Sequence

@@ -31,10 +31,13 @@ What it measures (every figure is printed with the machine it was taken on):
    in use in glibc's malloc (``mallinfo2``, sampled every 0.2 ms by a thread: torch
    keeps CPU tensors there and has no CPU allocator statistics of its own, and
    ``tracemalloc`` does not see them), and of the peak RSS (``VmHWM``; coarse).
-5. **fairseq-train** updates/sec with ``--optimizer vasso`` (and ``sam`` in the
-   full run) over ``--optimizer adam`` on a small generated de-en translation task
-   (fairseq's own ``ups`` of each ``train_inner`` log line, median over the lines
-   after the first, one process per run, runs interleaved).
+5. **fairseq-train** with ``--optimizer vasso`` (and ``sam`` in the full run) over
+   ``--optimizer adam`` on a small generated de-en translation task: the CPU time of
+   every ``Trainer.train_step`` (one process per run, runs interleaved, the same seed
+   so update i sees the same batch in every run: ratios are paired per update), and
+   fairseq's own ``ups`` (wall clock) from its ``train_inner`` log lines.
+   Time is the process's CPU time (``time.process_time``) unless ``--clock wall``:
+   other processes' time slices do not inflate it.
 
 Threads: ``torch.set_num_threads(--threads)`` (default 1) in every process and
 ``OMP_NUM_THREADS`` for the children: on a shared 2-core machine one thread per
@@ -51,7 +54,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import shlex
 import statistics
