@@ -890,7 +890,7 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
             methods: Sequence[str] = tuple(METHODS), threads: int = 1, fairseq: bool = True,
             memory: bool = True, tiny: bool = False, workdir: Optional[str] = None, clock: str = "cpu",
             overrides: Optional[Dict[str, Any]] = None, log: Callable[[str], None] = print,
-            command: str = "") -> Dict[str, Any]:
+            command: str = "", fairseq_only: bool = False) -> Dict[str, Any]:
     """Every measurement of the chosen mode; returns the results dict that render() prints."""
     torch.set_num_threads(threads)
     cfg = dict(MODES[mode])
@@ -899,7 +899,7 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
     results: Dict[str, Any] = {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M UTC"), "machine": machine_info(threads), "command": command, "settings": cfg,
         "model_info": model_info(models), "timing": {}, "clock": clock}
-    for md, mcfg in models.items():
+    for md, mcfg in ({} if fairseq_only else models).items():
         scale = MODEL_BLOCK_SCALE.get(md, 1)
         log(f"timing {md} ({results['model_info'][md]}): {cfg['reps']} repeats x {cfg['block'] * scale} updates")
         blocks = interleaved_timing(mcfg, methods, cfg["reps"], cfg["block"] * scale, cfg["warmup"], log=log,
@@ -907,8 +907,8 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
         results["timing"][md] = summarize_timing(blocks)
         results["timing"][md]["blocks"] = blocks
     state_methods = [m for m in methods] + [m for m in STATE_ONLY]
-    results["state"] = state_table(models, state_methods)
-    if memory:
+    results["state"] = {} if fairseq_only else state_table(models, state_methods)
+    if memory and not fairseq_only:
         log(f"peak memory: {cfg['mem_reps']} repeat(s), one process per method and model")
         mem_models = [md for md in models if cfg["mem_models"] is None or md in cfg["mem_models"]]
         results["memory"] = run_memory(mem_models, list(methods), cfg["mem_reps"], cfg["mem_steps"], threads, tiny,
@@ -940,6 +940,8 @@ def main(argv=None):
                     help="cpu: process CPU time (default; robust on a shared machine), wall: perf_counter")
     ap.add_argument("--no-fairseq", action="store_true", help="skip the fairseq-train comparison")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
+    ap.add_argument("--fairseq-only", action="store_true", help="only the fairseq-train comparison")
+    ap.add_argument("--fairseq-reps", type=int, help="override the number of fairseq repeats")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     ap.add_argument("--reps", type=int, help="override the number of interleaved repeats")
     ap.add_argument("--tiny", action="store_true", help="tiny models (a smoke test of the script, not a benchmark)")
@@ -974,11 +976,16 @@ def main(argv=None):
         return 0
 
     pool = TINY_MODELS if args.tiny else MODELS
-    overrides = {"reps": args.reps} if args.reps else None
+    overrides = {}
+    if args.reps:
+        overrides["reps"] = args.reps
+    if args.fairseq_reps:
+        overrides["fs_reps"] = args.fairseq_reps
     t0 = time.time()
     results = run_all("quick" if args.quick else "full", models={k: pool[k] for k in args.models},
                       threads=args.threads, fairseq=not args.no_fairseq, memory=not args.no_memory, tiny=args.tiny,
                       workdir=args.workdir, overrides=overrides, clock=args.clock,
+                      fairseq_only=args.fairseq_only,
                       log=lambda s: print(s, file=sys.stderr, flush=True),
                       command="python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     results["seconds"] = round(time.time() - t0, 1)
