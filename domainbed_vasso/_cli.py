@@ -53,10 +53,26 @@ def check_hparams(algorithm, dataset, overrides, hparams_seed=0, trial_seed=0):
     return _hp.validate(algorithm, hparams)
 
 
+def _tolerant_expand_help(expand):
+    """argparse's help expansion, falling back to the raw text where it holds a bare
+    ``%`` (DomainBed b93c22a's ``--uda_holdout_fraction`` does, which makes its own
+    ``-h`` crash)."""
+    def expand_help(self, action):
+        try:
+            return expand(self, action)
+        except (ValueError, TypeError, KeyError):
+            return action.help
+    return expand_help
+
+
 def run_domainbed_script(module, prog, argv):
     """Run DomainBed's ``module`` as ``__main__`` in this process with ``argv``."""
     sys.argv = [prog] + list(argv)
+    stock_expand = argparse.HelpFormatter._expand_help
+    argparse.HelpFormatter._expand_help = _tolerant_expand_help(stock_expand)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except _hp.HParamError as exc:
         fail(str(exc))
+    finally:
+        argparse.HelpFormatter._expand_help = stock_expand

@@ -91,3 +91,14 @@ def test_resnet_weights_variable(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match="DOMAINBED_VASSO_RESNET_WEIGHTS"):
         _locate.apply_resnet_weights(str(tmp_path / "missing.pth"))
     assert _locate.apply_resnet_weights("") is None
+
+
+def test_help_lists_domainbeds_flags_despite_its_bare_percent(tmp_path):
+    from domainbed_testlib import DOMAINBED, SKIP_REASON
+    if DOMAINBED is None:
+        pytest.skip(SKIP_REASON)
+    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.train", "-h"], capture_output=True, text=True,
+                          env=clean_env(DOMAINBED_ROOT=DOMAINBED), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--uda_holdout_fraction" in proc.stdout and "% of test" in proc.stdout
+    assert "--algorithm" in proc.stdout
