@@ -3,6 +3,7 @@ interleaved run of 1-3 updates.  No timed assertions: only the arithmetic on the
 numbers it measured and the structure of what it reports."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -138,3 +139,16 @@ def test_cli_tiny_report(bench, tmp_path, capsys):
     again = tmp_path / "again.md"
     assert bench.main(["--render", str(tmp_path / "b.json"), "--markdown", str(again)]) == 0
     assert again.read_text().split("### Targets")[1] == text.split("### Targets")[1]
+
+
+def test_fairseq_from_parts(bench):
+    # update i: (CPU s of the update, passes, CPU s of its forward/backward); the vasso process ran
+    # 20 % slower overall (a loaded machine), which the parts-based ratio must not see
+    adam = [[(1.0 + 0.1, 1, 1.0), (2.0 + 0.1, 1, 2.0)]]
+    vasso = [[(1.2 * (2 * 1.0) + 0.12, 2, 1.2 * 2.0), (1.2 * (2 * 2.0) + 0.12, 2, 1.2 * 4.0)]]
+    out = bench.fairseq_from_parts({"adam": adam, "vasso": vasso}, skip=0)
+    # per pass: median of adam's 1.0 and vasso's 1.2 = 1.1 (update 0), 2.2 (update 1)
+    assert out["vasso_over_adam_from_parts"] == pytest.approx(
+        statistics.median([(2 * 1.1 + 0.12) / (1.1 + 0.1), (2 * 2.2 + 0.12) / (2.2 + 0.1)]))
+    assert out["rest_ms"]["adam"] == pytest.approx(100.0) and out["rest_ms"]["vasso"] == pytest.approx(120.0)
+    assert bench.fairseq_from_parts({"vasso": vasso}, skip=0) == {}
