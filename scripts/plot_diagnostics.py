@@ -149,7 +149,9 @@ def label_for(opt: Dict[str, object]) -> Optional[str]:
         if opt.get("rho") is not None:
             extras.append(f"ρ={float(opt['rho']):g}")
         return base + (f" ({', '.join(extras)})" if extras else "")
-    return name.upper() if name in ("adam", "erm", "gsam") else name
+    if name == "adam":
+        return "AdamW"  # fairseq's --optimizer adam decouples weight decay
+    return name.upper() if name in ("erm", "gsam") else name
 
 
 # --------------------------------------------------------------------------- runs
