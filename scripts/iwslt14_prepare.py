@@ -3,9 +3,13 @@
 
 This is fairseq's ``examples/translation/prepare-iwslt14.sh`` step for step, with
 the Moses perl scripts replaced by their PyPI ports (``sacremoses`` for
-tokenizer.perl, Python for lowercase.perl and clean-corpus-n.perl) and the
+tokenizer.perl, with one rule brought in line with today's tokenizer.perl, see
+``moses_tokenizer``; Python for lowercase.perl and clean-corpus-n.perl) and the
 subword-nmt git checkout by the ``subword-nmt`` package, then binarized with
-``fairseq-preprocess``:
+``fairseq-preprocess``. ``tests/scripts/test_moses_parity.py`` runs the original
+steps with the perl scripts (where ``MOSES_SCRIPTS`` points at them) on generated
+IWSLT-format files full of punctuation, abbreviations, escapes and non-ASCII text,
+and requires every intermediate file to be byte-identical.
 
 1. download ``de-en.tgz`` and extract it (``--raw-dir`` skips this and reads an
    already extracted ``de-en`` folder: every later step works on local files);
@@ -148,13 +152,48 @@ def extract_segments(lines):
 _TOKENIZERS = {}
 
 
+def moses_tokenizer(lang):
+    """sacremoses' MosesTokenizer, made to follow today's tokenizer.perl (which
+    prepare-iwslt14.sh clones) where sacremoses 0.2 differs: tokenizer.perl splits
+    the period off the last word of a line unconditionally ("split last words
+    independently as they are unlikely to be non-breaking prefixes": ``... Mr.`` ->
+    ``... Mr .``, ``am 10.`` -> ``am 10 .``), and it splits words on single spaces,
+    so an empty word after a double space is not lowercase."""
+    import re as _re
+
+    from sacremoses import MosesTokenizer
+
+    class PerlMosesTokenizer(MosesTokenizer):
+        def handles_nonbreaking_prefixes(self, text):
+            words = text.split(" ")
+            while words and words[-1] == "":  # perl's split drops trailing empty fields
+                words.pop()
+            n = len(words)
+            for i, word in enumerate(words):
+                m = _re.search(r"^(\S+)\.$", word)
+                if not m:
+                    continue
+                pre = m.group(1)
+                if i == n - 1:
+                    words[i] = pre + " ."
+                elif (("." in pre and self.isanyalpha(pre))
+                      or (pre in self.NONBREAKING_PREFIXES and pre not in self.NUMERIC_ONLY_PREFIXES)
+                      or (words[i + 1] and self.islower(words[i + 1][0]))):
+                    pass
+                elif pre in self.NUMERIC_ONLY_PREFIXES and _re.search(r"^[0-9]+", words[i + 1]):
+                    pass
+                else:
+                    words[i] = pre + " ."
+            return " ".join(words)
+
+    return PerlMosesTokenizer(lang=lang)
+
+
 def _tokenize_chunk(args):
     lang, lines = args
     tok = _TOKENIZERS.get(lang)
     if tok is None:
-        from sacremoses import MosesTokenizer
-
-        tok = _TOKENIZERS[lang] = MosesTokenizer(lang=lang)
+        tok = _TOKENIZERS[lang] = moses_tokenizer(lang)
     out = []
     for line in lines:
         if line.strip() == "":  # tokenizer.perl prints blank lines unchanged
