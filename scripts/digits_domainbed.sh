@@ -11,6 +11,8 @@
 # = 90 jobs of 301 steps, default hparams (hparams_seed 0: rho 0.05, VASSO theta 0.4,
 # Adam lr 1e-3, batch 64 per domain, MLP featurizer 64-128-128). Each child runs on
 # one thread (OMP_NUM_THREADS=1). Extra arguments go to the sweep (e.g. --n_trials 1).
+# The sweep's own output (DomainBed prints every job's log) goes to OUTPUT_DIR/sweep.log;
+# stdout gets the tables only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -22,7 +24,8 @@ HPARAMS='{"mlp_width": 128, "mlp_depth": 3, "mlp_dropout": 0.0, "lr": 0.001, "ba
 mkdir -p "$OUT"
 "$PY" -m domainbed_vasso.sweep launch --datasets RotatedDigits --algorithms ERM SAM VASSO \
     --data_dir "$OUT/unused_data_dir" --output_dir "$OUT" --command_launcher local \
-    --n_hparams 1 --n_trials 3 --hparams "$HPARAMS" --skip_confirmation "$@"
+    --n_hparams 1 --n_trials 3 --hparams "$HPARAMS" --skip_confirmation "$@" >> "$OUT/sweep.log" 2>&1
+echo "sweep: $(grep -c . <(ls -d "$OUT"/*/done 2>/dev/null)) jobs done (log: $OUT/sweep.log)" >&2
 "$PY" scripts/domainbed_tables.py "$OUT" --datasets RotatedDigits --selection loo iid
 "$PY" - <<'PYEOF'
 import os, sys
