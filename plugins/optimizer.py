@@ -288,7 +288,8 @@ class SharpnessAware(torch.optim.Optimizer):
                 inner_prev = (1.0 - self.theta) * prev_norm * prev_norm + self.theta * gd
             if update:
                 P.update_moving_average([d for d, _ in update], [g for _, g in update], self.theta)
-            slope_norm = float(P.global_norm(slopes))
+            # ||d_t|| only where eps is built (a skipped step needs none)
+            slope_norm = float(P.global_norm(slopes)) if two_pass else _NAN
 
         if not two_pass:
             self._pending = {"kind": "first_gradient"}

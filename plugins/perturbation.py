@@ -35,18 +35,24 @@ def global_norm(tensors: Tensors) -> torch.Tensor:
         return torch.zeros(())
     norms = torch._foreach_norm(list(tensors))
     device = norms[0].device
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    return torch.linalg.vector_norm(stacked)
+    if any(n.device != device or n.dtype != torch.float32 for n in norms):
+        norms = [n.to(device=device, dtype=torch.float32) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def dot(xs: Tensors, ys: Tensors) -> float:
-    """Inner product <xs, ys> over all tensors, accumulated in float64."""
-    total = 0.0
+    """Inner product <xs, ys> over all tensors: per-tensor dots in the tensors' precision
+    (float32 for fp16/bf16), summed on the device in float64, one host sync."""
+    xs, ys = list(xs), list(ys)
+    if not xs:
+        return 0.0
+    device = xs[0].device
+    parts = []
     for x, y in zip(xs, ys):
         if x.dtype in (torch.float16, torch.bfloat16):
             x, y = x.float(), y.float()
-        total += float(torch.dot(x.reshape(-1), y.reshape(-1).to(x.dtype)))
-    return total
+        parts.append(torch.dot(x.reshape(-1), y.reshape(-1).to(x.dtype)).to(device=device, dtype=torch.float64))
+    return float(torch.stack(parts).sum())
 
 
 # --------------------------------------------------------------------------- slope
