@@ -135,6 +135,8 @@ def try_domainbed():
         from domainbed import model_selection
         from domainbed.lib.query import Q
         try:
+            import domainbed_vasso
+            domainbed_vasso.register()  # the plugin's datasets (RotatedDigits) get their domain names
             from domainbed import datasets
         except ImportError:
             datasets = None
