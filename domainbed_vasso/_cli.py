@@ -3,7 +3,6 @@
 import argparse
 import runpy
 import sys
-import warnings
 
 from . import hparams as _hp
 from ._locate import DomainBedNotFound

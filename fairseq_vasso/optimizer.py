@@ -21,7 +21,6 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, List
 
-import torch
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import Adam as _FairseqAdam

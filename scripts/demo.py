@@ -19,7 +19,11 @@
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
    BLEU and sacreBLEU) and prints the comparison table, with the paper's IWSLT-14 numbers
    beside it for reference (a different, much larger task), and the sharpness
-   diagnostics fairseq_vasso logs.
+   diagnostics fairseq_vasso logs;
+5. plots them (``scripts/plot_diagnostics.py``: ||eps_t - eps_{t-1}|| and the
+   perturbed-loss gap over updates, SAM and VASSO on the same axes, the paper's
+   Fig. 4) into ``runs/demo/diagnostics.png``, and draws the paper's Fig. 3
+   (``scripts/adversary_sphere.py``) into ``runs/demo/adversaries.png``.
 
 The three training runs go at once (``--jobs 3``, one thread each): on 2 CPU cores
 AdamW (one pass per update) finishes first and the two-pass runs then have a core
@@ -241,7 +245,17 @@ def main(argv=None):
     print(text)
     with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    log("done; table in %s" % os.path.join(out, "results.md"))
+    # the paper's Fig. 4 (stability) and the loss gap for these runs, and its Fig. 3
+    import adversary_sphere
+    import plot_diagnostics
+
+    runs = [os.path.join(out, "runs", m, "seed%d" % args.seed) for m in args.methods if m != "adamw"]
+    if runs:
+        png = os.path.join(out, "diagnostics.png")
+        plot_diagnostics.main(runs + ["-o", png, "--title", "demo: toy de-en, seed %d" % args.seed])
+        log("diagnostics plot (stability and loss gap over updates): %s" % png)
+    adversary_sphere.main(["-o", os.path.join(out, "adversaries.png")])
+    log("done; table in %s, plots in %s" % (os.path.join(out, "results.md"), out))
     return 0
 
 

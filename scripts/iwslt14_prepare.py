@@ -56,6 +56,9 @@ import sys
 import tarfile
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nmt_common import fairseq_bin  # noqa: E402
+
 # The shell script's URL (wit3.fbk.eu) has been offline for years; fairseq's
 # mirror of the same archive is tried first.
 URLS = [
@@ -297,17 +300,6 @@ def apply_bpe(code_path, in_path, out_path):
         for line in fin:
             fout.write(bpe.process_line(line))
     return out_path
-
-
-def fairseq_bin(name):
-    """The fairseq console script next to this Python (a venv's bin/), else on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    if os.path.exists(here):
-        return here
-    found = shutil.which(name)
-    if not found:
-        raise SystemExit("%s not found: install fairseq into this Python's environment" % name)
-    return found
 
 
 def binarize_command(text_dir, destdir, src=SRC, tgt=TGT, workers=1, joined=True,

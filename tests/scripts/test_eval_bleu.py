@@ -28,6 +28,10 @@ def test_demo_runs_end_to_end(demo_run):
     for m in METHODS:
         assert os.path.exists(os.path.join(out, "runs", m, "seed1", "checkpoint_best.pt"))
         assert os.path.exists(os.path.join(out, "runs", m, "seed1", "generate-test", "generate-test.txt"))
+    # it ends by plotting its own runs' diagnostics (Fig. 4) and the sphere (Fig. 3)
+    for png in ("diagnostics.png", "adversaries.png"):
+        with open(os.path.join(out, png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_parse_real_generate_output(demo_run):
