@@ -181,13 +181,6 @@ def set_rng_state(state: tuple) -> None:
 
 
 @contextlib.contextmanager
-def replayed_rng(state: tuple) -> Iterator[None]:
-    """Run the block from ``state`` (so dropout draws the first pass's masks)."""
-    set_rng_state(state)
-    yield
-
-
-@contextlib.contextmanager
 def frozen_running_stats(module: torch.nn.Module) -> Iterator[None]:
     """BatchNorm layers inside normalize with batch statistics but do not update
     their running mean, variance or ``num_batches_tracked``.
