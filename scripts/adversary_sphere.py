@@ -25,6 +25,7 @@ numbers are printed as a table.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Dict, List, Sequence
@@ -67,6 +68,8 @@ def spread(eps: np.ndarray, grad: Sequence[float] = GRAD) -> Dict[str, float]:
 
 def plot(out: str, *, snrs: Sequence[float] = SNRS, n: int = 100, theta: float = 0.4, burn_in: int = 20,
          seed: int = 0, dpi: int = 130) -> List[Dict[str, float]]:
+    # a host that logs at DEBUG (fairseq, the demo) would print every font matplotlib scores
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -28,6 +28,7 @@ with the Agg backend: no display needed.
 from __future__ import annotations
 
 import argparse
+import logging
 import ast
 import json
 import math
@@ -264,6 +265,8 @@ PANELS = (
 def plot_runs(runs: Sequence[Run], out: str, *, smooth: int = 1, title: Optional[str] = None,
               logy: bool = False, dpi: int = 130) -> Dict[str, Dict[str, Tuple[List[float], List[float]]]]:
     """Write the two-panel PNG; returns {panel key: {run label: (x, y)}} exactly as drawn."""
+    # a host that logs at DEBUG (fairseq, the demo) would print every font matplotlib scores
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
