@@ -15,6 +15,7 @@ except ImportError as exc:  # not installed, or broken against this torch
     pytest.skip(f"fairseq is not importable ({exc}); pip install --no-build-isolation fairseq-fixed==0.12.3.1",
                 allow_module_level=True)
 
+import contextlib
 import math
 
 import torch
@@ -76,6 +77,28 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@contextlib.contextmanager
+def _poisoned_gradient(trainer, on_call, value):
+    """Fill one parameter's gradient with ``value`` after the ``on_call``-th call of
+    ``task.train_step`` (1: the first pass, 2: the second); yields the list of calls."""
+    task = trainer.task
+    stock = task.train_step
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        out = stock(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == on_call:
+            next(trainer.model.parameters()).grad.fill_(value)
+        return out
+
+    task.train_step = poisoned
+    try:
+        yield calls
+    finally:
+        del task.train_step
+
+
 @pytest.fixture
 def cuda_is_identity(monkeypatch):
     # fairseq's overflow handler does grad_norm = torch.tensor(0.0).cuda()
@@ -106,22 +129,8 @@ def test_fp16_overflow_on_second_pass(toy_data, tmp_path, fs, cuda_is_identity):
     trainer, samples = _trainer(fs, toy_data, tmp_path, "vasso", FP16 + ["--rho", "0.1"])
     assert trainer.train_step(samples) is not None
     before = _snapshot(trainer)
-    task = trainer.task
-    stock = task.train_step
-    calls = []
-
-    def poisoned(*args, **kwargs):
-        out = stock(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == 2:  # the second pass, at x_t + eps_t
-            next(trainer.model.parameters()).grad.fill_(float("inf"))
-        return out
-
-    task.train_step = poisoned
-    try:
+    with _poisoned_gradient(trainer, on_call=2, value=float("inf")) as calls:  # the second pass, at x_t + eps_t
         assert trainer.train_step(samples) is None
-    finally:
-        del task.train_step
     assert len(calls) == 2
     after = _snapshot(trainer)
     assert after["updates"] == 1 and after["scale"] == before["scale"] / 2
@@ -157,23 +166,9 @@ def test_fp32_nonfinite_raises_floating_point_error(toy_data, tmp_path, fs, whic
     trainer, samples = _trainer(fs, toy_data, tmp_path, "vasso", ["--rho", "0.1"])
     assert trainer.train_step(samples) is not None
     before = _snapshot(trainer)
-    task = trainer.task
-    stock = task.train_step
-    calls = []
-
-    def poisoned(*args, **kwargs):
-        out = stock(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == which:
-            next(trainer.model.parameters()).grad.fill_(float("nan"))
-        return out
-
-    task.train_step = poisoned
-    try:
+    with _poisoned_gradient(trainer, on_call=which, value=float("nan")):
         with pytest.raises(FloatingPointError):
             trainer.train_step(samples)
-    finally:
-        del task.train_step
     after = _snapshot(trainer)
     assert _same(after["adam"], before["adam"]) and after["updates"] == 1
     if which == 1:  # nothing moved, d_t untouched
