@@ -28,6 +28,12 @@ def closure_for(opt, model, x, y):
     return closure
 
 
+def first_backward(model, x, y):
+    """Clear the gradients, then one forward/backward of the cross-entropy loss."""
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
 def flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in params])
 

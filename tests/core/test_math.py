@@ -6,12 +6,7 @@ import pytest
 import torch
 
 from plugins import SAM, VASSO
-from core_helpers import FAMILY, build, closure_for, flat, make_batches, make_model
-
-
-def first_backward(model, x, y):
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+from core_helpers import FAMILY, build, closure_for, first_backward, flat, make_batches, make_model
 
 
 @pytest.mark.parametrize("cls", [SAM, VASSO])

@@ -9,7 +9,7 @@ import torch
 
 from plugins import SAM, VASSO, frozen_running_stats
 from plugins.perturbation import second_pass_coin
-from core_helpers import FAMILY, build, closure_for, flat, make_batches, make_model
+from core_helpers import FAMILY, build, closure_for, first_backward, flat, make_batches, make_model
 
 BASES = {
     "SGD+momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
@@ -201,13 +201,11 @@ def test_frozen_running_stats_in_the_second_pass():
     opt = SAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1)
     bn = model[1]
     x, y = make_batches(1)[0]
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    first_backward(model, x, y)
     stats = (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
     assert opt.perturb()
     with frozen_running_stats(model):
-        model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        first_backward(model, x, y)
     assert torch.equal(bn.running_mean, stats[0]) and torch.equal(bn.running_var, stats[1])
     assert torch.equal(bn.num_batches_tracked, stats[2])
     assert bn.track_running_stats
@@ -243,8 +241,7 @@ def test_nonfinite_first_gradient_skips_the_step_and_keeps_d():
     opt.step(closure_for(opt, model, *batches[0]))
     d = flat(opt.state[q]["slope"] for q in model.parameters())
     before = flat(model.parameters())
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(batches[1][0]), batches[1][1]).backward()
+    first_backward(model, batches[1][0], batches[1][1])
     model[0].weight.grad[0, 0] = float("nan")
     with pytest.warns(RuntimeWarning, match="non-finite first-pass gradient"):
         assert not opt.perturb()
@@ -262,12 +259,10 @@ def test_nonfinite_second_gradient_leaves_parameters_at_x(kind):
     model = make_model()
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2, p=1.0)
     x, y = make_batches(1)[0]
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    first_backward(model, x, y)
     before = flat(model.parameters())
     assert opt.perturb()
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    first_backward(model, x, y)
     model[3].bias.grad[0] = float("inf")
     with pytest.warns(RuntimeWarning, match="non-finite second-pass gradient"):
         assert not opt.descend()
@@ -279,8 +274,7 @@ def test_abandon_restores_and_forgets_the_step():
     model = make_model()
     opt = SAM(model.parameters(), torch.optim.AdamW, rho=0.3, lr=0.1)
     x, y = make_batches(1)[0]
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    first_backward(model, x, y)
     before = flat(model.parameters())
     assert opt.perturb()
     opt.abandon()
@@ -299,14 +293,12 @@ def test_stability_diagnostic_is_the_distance_between_applied_ascents(kind):
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.1, seed=4)
     applied, reported = [], []
     for x, y in make_batches(14):
-        model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        first_backward(model, x, y)
         before = flat(model.parameters())
         if opt.perturb():
             applied.append(flat(model.parameters()) - before)
             reported.append(opt.diagnostics["stability"])
-            model.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            first_backward(model, x, y)
         else:
             assert math.isnan(opt.diagnostics["ascent_norm"])
         opt.descend()
@@ -373,8 +365,7 @@ def test_exact_restore_is_bit_exact_and_in_flight_tracks_the_step(cls):
     opt = cls(model.parameters(), torch.optim.SGD, rho=0.7, lr=0.1, exact_restore=True)
     x, y = make_batches(1)[0]
     for _ in range(3):
-        model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        first_backward(model, x, y)
         before = flat(model.parameters())
         assert not opt.in_flight
         assert opt.perturb() and opt.in_flight
