@@ -34,26 +34,13 @@ import torch.nn.functional as F
 from plugins import SAM as _SAMOptimizer
 from plugins import VASSO as _VASSOOptimizer
 from plugins import frozen_running_stats
+from plugins.perturbation import rng_state, set_rng_state
 
 from . import hparams as _hp
 
 __all__ = ["SharpnessAwareERM", "SAM", "GSAM", "VASSO", "ALGORITHMS"]
 
 ALGORITHMS = list(_hp.ALGORITHMS)
-
-
-def _rng_state(device):
-    cuda = None
-    if device.type == "cuda":
-        cuda = torch.cuda.get_rng_state(device)
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state, device):
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
 
 
 class SharpnessAwareERM(nn.Module):
@@ -112,7 +99,7 @@ class SharpnessAwareERM(nn.Module):
     def update(self, minibatches, unlabeled=None):
         all_x = torch.cat([x for x, y in minibatches])
         all_y = torch.cat([y for x, y in minibatches])
-        rng = _rng_state(all_x.device)
+        rng = rng_state()  # CPU, and CUDA's once initialized: the second pass replays it
 
         self.optimizer.zero_grad()
         loss = self._loss(all_x, all_y)
@@ -123,7 +110,7 @@ class SharpnessAwareERM(nn.Module):
         try:
             if self.optimizer.perturb():
                 self.optimizer.zero_grad()
-                _set_rng_state(rng, all_x.device)
+                set_rng_state(rng)
                 self.optimizer.in_second_pass = True
                 with frozen_running_stats(self.network):
                     second = self._loss(all_x, all_y)
