@@ -64,7 +64,7 @@ from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
 from plugins import frozen_running_stats
-from plugins.perturbation import rng_state, set_rng_state
+from plugins.perturbation import global_norm, rng_state, set_rng_state
 
 from .optimizer import FairseqSharpnessAware, check_flags
 
@@ -169,12 +169,7 @@ def _fp16_wrapper(trainer):
 
 
 def _grads_finite(params) -> bool:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return True
-    norms = torch._foreach_norm(grads)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
-    return bool(torch.isfinite(total))
+    return bool(torch.isfinite(global_norm([p.grad for p in params if p.grad is not None])))
 
 
 def _loss_value(logging_output):
