@@ -20,8 +20,7 @@ import os
 import shlex
 import sys
 
-from . import _cli
-from . import hparams as _hp
+from . import _locate
 
 STOCK_PREFIX = "python -m domainbed.scripts.train"
 
@@ -69,9 +68,12 @@ def patch_launchers():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    _locate.exit_if_requirement_missing("domainbed_vasso.sweep")
+    # imported here, after the check: they need numpy and torch
+    from . import _cli
+    from . import hparams as _hp
     _cli.register_or_exit()
-    from ._locate import child_pythonpath
-    os.environ["PYTHONPATH"] = child_pythonpath()
+    os.environ["PYTHONPATH"] = _locate.child_pythonpath()
     patch_launchers()
     if not any(a in ("-h", "--help") for a in argv):
         args = _cli.known_args(argv, _FLAGS)
