@@ -130,7 +130,7 @@ def test_sweep_children_know_vasso_and_collect_results_reads_it(tmp_path):
     assert set(rows) == {"ERM", "VASSO"}
     assert "X" not in rows["VASSO"]
     # and our own tables script reads the same sweep
-    mine = in_process(os.path.join(ROOT, "scripts", "domainbed_tables.py"), [str(out), "--selection", "iid"])
+    mine = in_process("domainbed_vasso.tables", [str(out), "--selection", "iid"])
     assert "### Debug28, model selection: training-domain validation set" in mine
     assert "| Test domain | ERM | VASSO |" in mine
     assert "selection by DomainBed's model_selection" in mine

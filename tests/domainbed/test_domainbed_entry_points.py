@@ -53,7 +53,7 @@ def test_paper_recipe_launches_the_four_datasets_with_torchvision_resnet(tmp_pat
     env = clean_env(DOMAINBED_ROOT=DOMAINBED, DATA_DIR=str(tmp_path / "data"),
                     OUTPUT_DIR=str(tmp_path / "sweep"), LAUNCHER="dummy", N_HPARAMS="1",
                     N_TRIALS="1", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "domainbed_paper_sweep.sh"), "launch",
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "domainbed", "paper_sweep.sh"), "launch",
                            "--skip_confirmation"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
