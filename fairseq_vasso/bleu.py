@@ -195,10 +195,13 @@ class LengthLimitWatch:
         return self.hypotheses > 0 and self.at_limit > self.hypotheses / 2
 
     def message(self, name):
-        return ("%s: %d of %d hypotheses stop at fairseq-generate's length limit (--max-len-a %g --max-len-b %d): "
-                "the model looks undertrained and generation is slow; to bound it, pass --generate-args \"%s\" "
-                "(fairseq README's validation limits; the scores then differ from the paper's setting)"
-                % (name, self.at_limit, self.hypotheses, self.max_len_a, self.max_len_b, SUGGESTED_BOUND))
+        head = ("%s: %d of %d hypotheses stop at the length limit (--max-len-a %g --max-len-b %d)"
+                % (name, self.at_limit, self.hypotheses, self.max_len_a, self.max_len_b))
+        if (self.max_len_a, self.max_len_b) != (DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B):
+            return head + ", set by --generate-args: the model looks undertrained"
+        return (head + ", fairseq-generate's default: the model looks undertrained and generation is slow; to "
+                "bound it, pass --generate-args \"%s\" (fairseq README's validation limits; the scores are then "
+                "not comparable with the paper's)" % SUGGESTED_BOUND)
 
 
 def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=128, user_dir=None,

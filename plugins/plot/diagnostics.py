@@ -351,6 +351,12 @@ def main(argv=None):
     ap.add_argument("--title", help="the figure's title")
     ap.add_argument("--dpi", type=int, default=130, help="resolution of the PNG (default 130)")
     args = ap.parse_args(argv)
+    for spec in args.runs:
+        path = spec if os.path.exists(spec) or "=" not in spec else spec.split("=", 1)[1]
+        if not os.path.exists(path):
+            ap.error(f"runs: no such file or folder: {path}")
+    if args.smooth < 1:
+        ap.error(f"--smooth must be >= 1, got {args.smooth}")
     runs = [load_run(s) for s in args.runs]
     seen: Dict[str, int] = {}
     for r in runs:  # several seeds of one method: keep the labels apart

@@ -91,3 +91,7 @@ def test_vasso_plot_command_help():
     proc = subprocess.run([sys.executable, "-m", "plugins.plot", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "usage: vasso-plot" in proc.stdout and "results.jsonl" in proc.stdout
+    missing = subprocess.run([sys.executable, "-m", "plugins.plot", "no/such/train.log"], capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1] == (
+        "vasso-plot: error: runs: no such file or folder: no/such/train.log")

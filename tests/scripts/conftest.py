@@ -16,12 +16,13 @@ def run_script(name, *args, timeout=600, cwd=None, check=True):
     """Runs scripts/NAME (a path ending in .py) or the module NAME (``python -m``) with this
     Python; returns the CompletedProcess (text)."""
     target = [os.path.join(SCRIPTS, name)] if name.endswith(".py") else ["-m", name]
+    # stderr apart: fairseq's import warnings must not mix with what the tests parse
     proc = subprocess.run([sys.executable] + target + [str(a) for a in args],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
                           cwd=cwd or REPO)
     if check and proc.returncode != 0:
-        raise AssertionError("%s %s exited %d:\n%s" % (name, " ".join(map(str, args)), proc.returncode,
-                                                       proc.stdout[-6000:]))
+        raise AssertionError("%s %s exited %d:\n%s\n%s" % (name, " ".join(map(str, args)), proc.returncode,
+                                                           proc.stdout[-4000:], proc.stderr[-4000:]))
     return proc
 
 
