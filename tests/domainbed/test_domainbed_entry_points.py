@@ -29,6 +29,16 @@ def test_missing_domainbed_says_how_to_fix(module, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_tables_without_domainbed_say_how_to_fix(tmp_path):
+    """vasso-domainbed-tables selects with DomainBed's own code: without it, one clear error."""
+    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.tables", str(tmp_path)], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    if "needs a DomainBed checkout" not in proc.stderr:
+        pytest.skip("DomainBed is importable without DOMAINBED_ROOT")
+    assert proc.returncode == 2
+    assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bad_domainbed_root_is_named(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.train"], cwd=tmp_path,
                           env=clean_env(DOMAINBED_ROOT=str(tmp_path / "nowhere")),
