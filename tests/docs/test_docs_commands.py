@@ -152,27 +152,27 @@ COMMANDS = classified(
      "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
      "--command_launcher multi_gpu",
      check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
-    (".venv/bin/python scripts/domainbed_tables.py sweep/", check_only(FINISHED_SWEEP)),
+    (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
 
     # ---- docs/diagnostics.md
-    (".venv/bin/python scripts/plot_diagnostics.py RUNS/sam/seed1 RUNS/vasso0.4/seed1 -o RUNS/diagnostics.png",
+    (".venv/bin/vasso-plot RUNS/sam/seed1 RUNS/vasso0.4/seed1 -o RUNS/diagnostics.png",
      substitute("RUNS: the demo's run folders", {"RUNS/": "runs/demo/runs/"}, needs=(DEMO,))),
-    (".venv/bin/python scripts/plot_diagnostics.py out/sam/results.jsonl out/vasso/results.jsonl "
+    (".venv/bin/vasso-plot out/sam/results.jsonl out/vasso/results.jsonl "
      "-o domainbed_diagnostics.png --smooth 5",
      check_only("reads two DomainBed trainings' results (the docs' trainings are GPU jobs)")),
-    (".venv/bin/python scripts/plot_diagnostics.py sam.log vasso.log evasso.log -o diagnostics.png",
+    (".venv/bin/vasso-plot sam.log vasso.log evasso.log -o diagnostics.png",
      substitute("the logs of the demo's sam and vasso runs stand for the figure's three",
                 {"sam.log vasso.log evasso.log":
                  "runs/demo/runs/sam/seed1/train.log runs/demo/runs/vasso0.4/seed1/train.log"},
                 needs=(DEMO,))),
-    (".venv/bin/python scripts/adversary_sphere.py -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
+    (".venv/bin/python -m plugins.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
 
     # ---- docs/digits_results.md
-    (".venv/bin/python scripts/digits_experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
-    (".venv/bin/python scripts/digits_experiments.py tradeoff", check_only("about 5 minutes on 2 cores")),
-    (".venv/bin/python scripts/digits_experiments.py spectra", check_only("about 5 minutes on 2 cores")),
-    ("DOMAINBED_ROOT=/path/to/DomainBed bash scripts/digits_domainbed.sh", check_only(
-        "90 DomainBed jobs, about 34 minutes on 2 cores", check="bash -n scripts/digits_domainbed.sh")),
+    (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
+    (".venv/bin/python scripts/digits/experiments.py tradeoff", check_only("about 5 minutes on 2 cores")),
+    (".venv/bin/python scripts/digits/experiments.py spectra", check_only("about 5 minutes on 2 cores")),
+    ("DOMAINBED_ROOT=/path/to/DomainBed bash scripts/domainbed/digits_sweep.sh", check_only(
+        "90 DomainBed jobs, about 34 minutes on 2 cores", check="bash -n scripts/domainbed/digits_sweep.sh")),
     (".venv/bin/python -m pytest tests/digits", check_only(
         COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/digits")),
 
@@ -205,12 +205,12 @@ COMMANDS = classified(
     # ---- docs/translation.md
     (DEMO, substitute("the full demo takes 5 to 18 minutes", append=TINY_DEMO, timeout=600,
                       expect=("BLEU",))),
-    (".venv/bin/python scripts/iwslt14_prepare.py", check_only(
+    (".venv/bin/python scripts/translation/iwslt14_prepare.py", check_only(
         "downloads the IWSLT-14 archive (tests/scripts runs every step after the download)")),
-    (".venv/bin/python scripts/iwslt14_recipe.py --dry-run", run(expect=("fairseq-train",))),
-    (".venv/bin/python scripts/iwslt14_recipe.py --seeds 1 2 3", check_only(
+    (".venv/bin/python scripts/translation/iwslt14_recipe.py --dry-run", run(expect=("fairseq-train",))),
+    (".venv/bin/python scripts/translation/iwslt14_recipe.py --seeds 1 2 3", check_only(
         "15 trainings of the paper's model on IWSLT-14: a GPU job")),
-    (".venv/bin/python scripts/eval_bleu.py data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14 "
+    (".venv/bin/vasso-bleu data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14 "
      "--ref-file data/iwslt14.tokenized.de-en/tmp/test.en", substitute(
         "the demo's data, runs and references stand for IWSLT-14's",
         {"data-bin/iwslt14.tokenized.de-en": "runs/demo/data-bin", "runs/iwslt14": "runs/demo/runs",
@@ -443,8 +443,8 @@ def test_every_documented_command_is_classified():
         for c in missing:
             lines.append(f"  {c.at}: {c.key}")
         lines.append("Add an entry for each (run(), substitute(why, {...}) or check_only(why)), e.g.:")
-        for c in missing:
-            lines.append(f"    {c.key!r}: check_only('WHY'),")
+        for key in dict.fromkeys(c.key for c in missing):
+            lines.append(f"    ({key!r}, check_only('WHY')),")
         pytest.fail("\n".join(lines))
 
 
