@@ -122,8 +122,11 @@ def preflight(params=None):
 
 def squeue_states():
     """``{job id: state}`` of every job Slurm lists, array tasks one by one (``12_3``)."""
-    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True,
-                         timeout=120)
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True,
+                             timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmLauncherError(f"cannot ask Slurm which jobs are queued or running (squeue: {exc})") from None
     if out.returncode != 0:
         raise SlurmLauncherError(f"squeue failed: {out.stderr.strip() or out.returncode}")
     states = {}
@@ -235,24 +238,49 @@ def slurm_launcher(commands):
             print("domainbed_vasso.slurm: nothing new to submit")
 
 
-def submit(sweep_dir, commands, params):
-    """Submit ``commands`` as one job array; append them to the record; return the jobs."""
+def max_array_size():
+    """Slurm's ``MaxArraySize`` (array indices run 0 .. MaxArraySize - 1), or None if unknown."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize":
+            try:
+                return int(value.strip())
+            except ValueError:
+                return None
+    return None
+
+
+def submit(sweep_dir, commands, params, array_limit=None):
+    """Submit ``commands`` as one job array (several when they outnumber Slurm's
+    ``MaxArraySize``); append them to the record as they are submitted; return the jobs."""
     folder = slurm_dir(sweep_dir)
     os.makedirs(folder, exist_ok=True)
     executor = make_executor(folder, params)
-    jobs = executor.map_array(run_command, commands)
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    with open(os.path.join(folder, RECORD), "a") as f:
-        for command, job in zip(commands, jobs):
-            f.write(json.dumps({
-                "output_dir": command_output_dir(command), "job_id": str(job.job_id),
-                "log_out": str(job.paths.stdout), "log_err": str(job.paths.stderr),
-                "submitted": now, "command": command}) + "\n")
-    array_id = str(jobs[0].job_id).split("_")[0]
-    throttle = min(len(jobs), int(params.get("slurm_array_parallelism", 256)))
-    print(f"domainbed_vasso.slurm: submitted {len(jobs)} jobs as Slurm job {array_id} "
-          f"(at most {throttle} at once); logs and job ids under {folder}")
-    return jobs
+    array_limit = array_limit or max_array_size() or len(commands)
+    chunks = [commands[i:i + array_limit] for i in range(0, len(commands), array_limit)]
+    if len(chunks) > 1:
+        print(f"domainbed_vasso.slurm: {len(commands)} jobs exceed Slurm's MaxArraySize={array_limit}: "
+              f"{len(chunks)} job arrays, each with its own throttle")
+    throttle = int(params.get("slurm_array_parallelism", 256))
+    all_jobs = []
+    for chunk in chunks:
+        jobs = executor.map_array(run_command, chunk)
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        with open(os.path.join(folder, RECORD), "a") as f:
+            for command, job in zip(chunk, jobs):
+                f.write(json.dumps({
+                    "output_dir": command_output_dir(command), "job_id": str(job.job_id),
+                    "log_out": str(job.paths.stdout), "log_err": str(job.paths.stderr),
+                    "submitted": now, "command": command}) + "\n")
+        array_id = str(jobs[0].job_id).split("_")[0]
+        print(f"domainbed_vasso.slurm: submitted {len(jobs)} jobs as Slurm job {array_id} "
+              f"(at most {min(len(jobs), throttle)} at once); logs and job ids under {folder}")
+        all_jobs += jobs
+    return all_jobs
 
 
 def register_launcher():
@@ -321,7 +349,7 @@ def _result_error(entry):
 
 def sweep_status(sweep_dir, states=None):
     """One dict per job folder of ``sweep_dir``: output_dir, state (queued / running / done /
-    failed, or incomplete for a folder Slurm never ran for this sweep), job_id, log, reason,
+    failed, or incomplete for a folder Slurm never ran for this sweep), job_id, logs, reason,
     and the job's dataset, algorithm, test_envs, hparams_seed, trial_seed."""
     sweep_dir = os.path.abspath(sweep_dir)
     record = read_record(sweep_dir)
@@ -336,10 +364,13 @@ def sweep_status(sweep_dir, states=None):
     rows = []
     for output_dir in sorted(folders):
         entry = record.get(output_dir)
-        row = {"output_dir": output_dir, "job_id": None, "log": None, "reason": ""}
+        row = {"output_dir": output_dir, "job_id": None, "logs": [], "reason": ""}
         if entry is not None:
             args = command_args(entry["command"])
-            row.update(job_id=entry["job_id"], log=entry["log_err"])
+            # both: DomainBed's train tees its stderr into stdout, so its traceback is in the
+            # .out log; submitit's verdict is in the .err log
+            logs = [entry["log_out"]] + ([entry["log_err"]] if entry["log_err"] != entry["log_out"] else [])
+            row.update(job_id=entry["job_id"], logs=logs)
             row.update({k: args.get(k, "") for k in
                         ("dataset", "algorithm", "test_envs", "hparams_seed", "trial_seed")})
         if os.path.exists(os.path.join(output_dir, "done")):
@@ -368,8 +399,8 @@ def format_status(rows):
         line = f"{r['state']:<10} {r['job_id'] or '-':<12} {r['output_dir']}"
         if what:
             line += f" ({what})"
-        if r["state"] in (FAILED, QUEUED, RUNNING) and r["log"]:
-            line += f"\n{'':<23} log: {r['log']}"
+        if r["state"] in (FAILED, QUEUED, RUNNING):
+            line += "".join(f"\n{'':<23} log: {log}" for log in r["logs"])
         if r["reason"]:
             line += f"\n{'':<23} {r['reason']}"
         lines.append(line)

@@ -16,7 +16,7 @@
 # Needs root (slurmd runs jobs as their submitting user) and Debian's packages
 # `slurm-wlm munge`; `start` installs them with apt-get when they are missing and it
 # runs as root on a Debian-like system (CI), and otherwise says what is missing.
-# Node: this host's short name with CPUs=$(nproc), one partition `debug` (Default,
+# Node: this host's short name (uname -n) with CPUs=$(nproc), one partition `debug` (Default,
 # OverSubscribe). Accounting is off (no sacct: submitit warns and carries on).
 set -euo pipefail
 
@@ -78,7 +78,7 @@ EOF
 
 write_conf() {
     local host cpus ports ctld_port slurmd_port
-    host=$(hostname -s)
+    host=$(uname -n | cut -d. -f1)  # slurmd finds its node by this short host name
     cpus=$(nproc)
     read -r ctld_port slurmd_port < <(free_ports)
     cat >"$CONF" <<EOF

@@ -60,7 +60,37 @@ def test_status_rules(tmp_path):
             for r in slurm.sweep_status(sweep, states={"5_1": "PENDING", "5_2": "RUNNING"})}
     assert {k: r["state"] for k, r in rows.items()} == {
         "a": "done", "b": "queued", "c": "running", "d": "failed", "unrecorded": "incomplete"}
-    assert rows["d"]["log"].endswith("5_3_0_log.err") and "without writing 'done'" in rows["d"]["reason"]
+    assert [os.path.basename(p) for p in rows["d"]["logs"]] == ["5_3_0_log.out", "5_3_0_log.err"]
+    assert "without writing 'done'" in rows["d"]["reason"]
     text = slurm.format_status(list(rows.values()))
+    assert f"log: {rows['d']['logs'][0]}" in text and f"log: {rows['d']['logs'][1]}" in text
     assert "5 jobs: 1 done, 1 running, 1 queued, 1 failed, 1 incomplete" in text
     assert "Debug28 ERM test_envs=[3]" in text
+
+
+def test_submit_splits_at_max_array_size_and_records_each_job(tmp_path, monkeypatch):
+    calls = []
+
+    class Paths:
+        def __init__(self, job_id):
+            self.stdout = tmp_path / f"{job_id}_0_log.out"
+            self.stderr = tmp_path / f"{job_id}_0_log.err"
+
+    class Job:
+        def __init__(self, job_id):
+            self.job_id, self.paths = job_id, Paths(job_id)
+
+    class Executor:
+        def map_array(self, fn, commands):
+            calls.append(list(commands))
+            array = 100 + len(calls)
+            return [Job(f"{array}_{i}") for i in range(len(commands))]
+
+    monkeypatch.setattr(slurm, "make_executor", lambda folder, params: Executor())
+    sweep = tmp_path / "sweep"
+    commands = [f"python -m domainbed_vasso.train --output_dir {sweep / str(i)}" for i in range(5)]
+    jobs = slurm.submit(str(sweep), commands, dict(slurm.DEFAULTS), array_limit=2)
+    assert [len(c) for c in calls] == [2, 2, 1] and sum(calls, []) == commands
+    record = slurm.read_record(str(sweep))
+    assert [record[str(sweep / str(i))]["job_id"] for i in range(5)] == \
+        ["101_0", "101_1", "102_0", "102_1", "103_0"] == [j.job_id for j in jobs]
