@@ -268,7 +268,14 @@ def submit(sweep_dir, commands, params, array_limit=None):
     throttle = int(params.get("slurm_array_parallelism", 256))
     all_jobs = []
     for chunk in chunks:
-        jobs = executor.map_array(run_command, chunk)
+        try:
+            jobs = executor.map_array(run_command, chunk)
+        except Exception as exc:  # sbatch refused (partition, account, limits, ...)
+            raise SlurmLauncherError(
+                f"submitting {len(chunk)} jobs failed: {exc}\n{len(all_jobs)} of {len(commands)} jobs were "
+                "submitted before (see `python -m domainbed_vasso.sweep status`); the job folders "
+                "DomainBed made for the others are empty: run delete_incomplete, fix "
+                f"{ENV_SLURM}, and launch again") from exc
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with open(os.path.join(folder, RECORD), "a") as f:
             for command, job in zip(chunk, jobs):

@@ -105,8 +105,11 @@ def main(argv=None):
                 guard = _slurm.keep_active_folders(args.output_dir)
         except _slurm.SlurmLauncherError as exc:
             _cli.fail(str(exc))
-    with guard:
-        _cli.run_domainbed_script("domainbed.scripts.sweep", "domainbed_vasso.sweep", argv)
+    try:
+        with guard:
+            _cli.run_domainbed_script("domainbed.scripts.sweep", "domainbed_vasso.sweep", argv)
+    except _slurm.SlurmLauncherError as exc:
+        _cli.fail(str(exc))
 
 
 if __name__ == "__main__":

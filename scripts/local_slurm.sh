@@ -77,7 +77,7 @@ EOF
 }
 
 write_conf() {
-    local host cpus ports ctld_port slurmd_port
+    local host cpus ctld_port slurmd_port
     host=$(uname -n | cut -d. -f1)  # slurmd finds its node by this short host name
     cpus=$(nproc)
     read -r ctld_port slurmd_port < <(free_ports)

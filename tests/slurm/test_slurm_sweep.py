@@ -213,7 +213,6 @@ def test_bad_parameters_or_no_slurm_stop_before_any_folder(slurm, tmp_path):
             "--n_hparams", "1", "--n_trials", "1", "--command_launcher", "slurm", "--skip_confirmation",
             "--data_dir", str(tmp_path), "--output_dir", str(out)]
     for value, message in (("{not json", "DOMAINBED_VASSO_SLURM is not valid JSON"),
-                           ("[1, 2]", "DOMAINBED_VASSO_SLURM must be a JSON object"),
                            ('{"slurm_partion": "gpu"}', "submitit rejects these parameters")):
         proc = run(args, env, DOMAINBED_VASSO_SLURM=value)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -224,3 +223,8 @@ def test_bad_parameters_or_no_slurm_stop_before_any_folder(slurm, tmp_path):
     proc = run(args, env, SLURM_CONF=os.path.join(str(tmp_path), "missing.conf"))
     assert proc.returncode == 2 and "Slurm does not answer" in proc.stderr, proc.stderr
     assert not out.exists()
+    # what only sbatch can refuse comes after DomainBed made the folders: the error says so
+    proc = run(args + ["--single_test_envs"], env, DOMAINBED_VASSO_SLURM='{"slurm_partition": "nosuch"}')
+    assert proc.returncode == 2 and "submitting 3 jobs failed" in proc.stderr, proc.stderr
+    assert "invalid partition" in proc.stderr.lower() and "delete_incomplete" in proc.stderr
+    assert len(job_dirs(out)) == 3 and not (out / "slurm" / "jobs.jsonl").exists()
