@@ -105,8 +105,8 @@ def test_sweep_runs_to_completion_and_tables_read_it(slurm, tmp_path):
     assert {s for s, _ in rows.values()} == {"done"} and len(rows) == 6
     for e in entries:  # submitit's logs, under <output_dir>/slurm/
         assert os.path.dirname(e["log_err"]) == str(out / "slurm") and os.path.exists(e["log_out"])
-    tables = run([PY, os.path.join(ROOT, "scripts", "domainbed_tables.py"), str(out),
-                  "--selection", "loo", "iid"], env)
+    # vasso-domainbed-tables, as python -m (the console script needs an installed package)
+    tables = run([PY, "-m", "domainbed_vasso.tables", str(out), "--selection", "loo", "iid"], env)
     assert tables.returncode == 0, tables.stderr
     heading = "### Debug28, model selection: leave-one-domain-out cross-validation"
     assert heading in tables.stdout and "| Test domain | VASSO |" in tables.stdout
