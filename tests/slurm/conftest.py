@@ -12,10 +12,8 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HERE = os.path.dirname(os.path.abspath(__file__))
-for path in (ROOT, HERE):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+if ROOT not in sys.path:  # this checkout's domainbed_vasso, as tests/domainbed does
+    sys.path.insert(0, ROOT)
 
 SCRIPT = os.path.join(ROOT, "scripts", "local_slurm.sh")
 
