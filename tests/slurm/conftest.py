@@ -12,8 +12,6 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:  # this checkout's domainbed_vasso, as tests/domainbed does
-    sys.path.insert(0, ROOT)
 
 SCRIPT = os.path.join(ROOT, "scripts", "local_slurm.sh")
 
