@@ -108,6 +108,8 @@ DOMAINBED_TRAIN = (".venv/bin/python -m domainbed_vasso.train --data_dir ./data 
                    "--hparams '{\"rho\": 0.05, \"theta\": 0.4, \"resnet50_augmix\": false}'")
 FINISHED_SWEEP = "reads a finished sweep of the four image datasets (a GPU job)"
 GPU_DOMAINBED = "PACS and the other image datasets: downloads of several GB and a ResNet-50, a GPU job"
+SLURM = "needs a Slurm cluster (tests/slurm runs the launcher on a local one)"
+LOCAL_SLURM = "needs root and Slurm's packages (tests/slurm starts and stops it)"
 COLLECT_ONLY = "runs a part of the suite that CI runs anyway: collecting it checks the paths and imports"
 
 COMMANDS = classified(
@@ -197,7 +199,48 @@ COMMANDS = classified(
         COLLECT_ONLY, domainbed=True,
         check="DOMAINBED_ROOT={DOMAINBED_ROOT} .venv/bin/python -m pytest -q --collect-only tests/domainbed")),
 
+    ("export DOMAINBED_VASSO_SLURM='{\"slurm_partition\": \"gpu\", \"gpus_per_node\": 1, "
+     "\"cpus_per_task\": 8, \"mem_gb\": 32, \"timeout_min\": 240, \"slurm_array_parallelism\": 64}'", run()),
+    ("export DOMAINBED_VASSO_RESNET_WEIGHTS=/shared/resnet50-0676ba61.pth", substitute(
+        "no weights file here: 'none' builds the ResNets without pretrained weights",
+        {"/shared/resnet50-0676ba61.pth": "none"})),
+    (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir /shared/data --output_dir /shared/sweep "
+     "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
+     "--hparams '{\"resnet50_augmix\": false, \"freeze_bn\": true}' --command_launcher slurm "
+     "--skip_confirmation", check_only(SLURM, domainbed=True, expect=("--command_launcher",))),
+    (".venv/bin/python -m domainbed_vasso.sweep status --output_dir /shared/sweep", check_only(
+        SLURM, expect=("--output_dir",))),
+    (".venv/bin/python -m domainbed_vasso.sweep delete_incomplete ... --skip_confirmation", check_only(
+        "'...' stands for the launch's flags; " + SLURM, domainbed=True,
+        check=".venv/bin/python -m domainbed_vasso.sweep delete_incomplete --help")),
+    (".venv/bin/python -m domainbed_vasso.sweep launch ... --command_launcher slurm --skip_confirmation",
+     check_only("'...' stands for the launch's flags; " + SLURM, domainbed=True,
+                check=".venv/bin/python -m domainbed_vasso.sweep launch --command_launcher slurm --help")),
+    (".venv/bin/vasso-domainbed-tables /shared/sweep", check_only(FINISHED_SWEEP)),
+    ("DOMAINBED_ROOT=/path/to/DomainBed .venv/bin/python -m pytest tests/slurm", check_only(
+        COLLECT_ONLY, domainbed=True,
+        check="DOMAINBED_ROOT={DOMAINBED_ROOT} .venv/bin/python -m pytest -q --collect-only tests/slurm")),
+    ("sudo bash scripts/local_slurm.sh start", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
+    ("export SLURM_CONF=/tmp/vasso-slurm-0/slurm.conf", run()),
+    ("sinfo; srun -n2 hostname", check_only(LOCAL_SLURM, check="bash -n -c 'sinfo; srun -n2 hostname'")),
+    ("sudo bash scripts/local_slurm.sh status", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
+    ("sudo bash scripts/local_slurm.sh stop", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
+
     # ---- docs/fairseq.md
+    ("srun .venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso "
+     "--distributed-world-size 16 --distributed-port 12345 --ddp-backend legacy_ddp --optimizer vasso "
+     "--rho 0.1 --theta 0.4 ...", check_only(
+        "a 16-GPU Slurm job ('...': the rest of the flags): fairseq-train parses its flags",
+        check=".venv/bin/fairseq-train --user-dir fairseq_vasso --distributed-world-size 16 "
+              "--distributed-port 12345 --ddp-backend legacy_ddp --optimizer vasso --rho 0.1 --theta 0.4 --help",
+        expect=("--theta",))),
+    (".venv/bin/torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $HEAD_NODE "
+     "--master-port 12345 .venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso "
+     "--distributed-world-size 16 --optimizer vasso --rho 0.1 --theta 0.4 ...", check_only(
+        "two 8-GPU nodes ('...': the rest of the flags): torchrun's and fairseq-train's flags parse",
+        check=".venv/bin/torchrun --nnodes 2 --nproc-per-node 8 --help && .venv/bin/fairseq-train "
+              "--user-dir fairseq_vasso --distributed-world-size 16 --optimizer vasso --rho 0.1 "
+              "--theta 0.4 --help", expect=("--nproc-per-node", "--theta"))),
     (".venv/bin/python -c 'import fairseq_vasso, os; print(os.path.dirname(fairseq_vasso.__file__))'",
      run(expect=("fairseq_vasso",))),
     (".venv/bin/python -m pytest -q tests/fairseq", check_only(
@@ -290,8 +333,23 @@ def normalize_shell(line):
     return "".join(out).strip()
 
 
+def _open_quote(text):
+    """True when ``text`` ends inside a quoted string."""
+    quote = None
+    for ch in text:
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and not quote:
+            break
+    return quote is not None
+
+
 def shell_commands(body):
-    """[(offset of the first line, command)] of a shell block."""
+    """[(offset of the first line, command)] of a shell block: a command goes on over a
+    trailing backslash or an open quote."""
     commands, pending, start = [], [], None
     for offset, raw in enumerate(body):
         if not pending and not raw.strip():
@@ -303,6 +361,8 @@ def shell_commands(body):
             pending.append(code[:-1])
             continue
         pending.append(code)
+        if _open_quote(" ".join(p.strip() for p in pending)):
+            continue
         command = normalize_shell(" ".join(p.strip() for p in pending))
         pending = []
         if command:
@@ -495,7 +555,8 @@ def test_substitutions_and_needs_still_match():
 
 
 # the programs a documented shell command may start with: the environment's, spelled out
-_ALLOWED_PROGRAMS = {"bash", "git", "export", "source", "cd", "test", "mkdir", "ls", "cat"}
+_ALLOWED_PROGRAMS = {"bash", "git", "export", "source", "cd", "test", "mkdir", "ls", "cat",
+                     "sudo", "srun", "sinfo", "squeue", "sbatch"}
 
 
 def _programs(text):
