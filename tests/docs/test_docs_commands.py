@@ -399,7 +399,7 @@ def _venv():
 
 
 @pytest.fixture(scope="session")
-def workspace(tmp_path_factory):
+def workspace(tmp_path_factory, request):
     """A folder that looks like a fresh clone after the README's setup."""
     ws = tmp_path_factory.mktemp("docs-workspace")
     for name in os.listdir(REPO):
@@ -408,10 +408,13 @@ def workspace(tmp_path_factory):
         os.symlink(os.path.join(REPO, name), ws / name)
     os.symlink(_venv(), ws / ".venv")
     ws = str(ws)
-    # queue now (see _POOL): first what other commands need (the demo), then the checks
-    needed = {need for how in COMMANDS.values() for need in how.needs}
+    # queue the selected tests' commands now (see _POOL): first what the others need (the
+    # demo), then the checks
+    selected = [item.callspec.params["cmd"] for item in request.session.items
+                if "cmd" in getattr(getattr(item, "callspec", None), "params", {})]
+    needed = {need for c in selected for need in COMMANDS[c.key].needs}
     first = [c for c in DOCUMENTED if c.key in needed]
-    checks = [c for c in DOCUMENTED if c.key in COMMANDS and COMMANDS[c.key].kind == "check"]
+    checks = [c for c in selected if COMMANDS[c.key].kind == "check"]
     for cmd in first + checks:
         how = COMMANDS[cmd.key]
         if not how.needs and not (how.domainbed and DOMAINBED is None):
