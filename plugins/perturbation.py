@@ -1,6 +1,6 @@
 """The math of one sharpness-aware step, as small functions over lists of tensors.
 
-Every formula of ``DESIGN.md`` section 1 lives here once; :mod:`plugins.optimizer`
+Every formula of the step (``docs/design.md``) lives here once; :mod:`plugins.optimizer`
 only keeps state and calls these in order.  Torch only.
 
 Notation (paper, Alg. 1-2): ``g`` the first-pass gradient at ``x``, ``v`` the slope
@@ -21,38 +21,90 @@ Tensors = Sequence[torch.Tensor]
 _MASK64 = (1 << 64) - 1
 
 
-# --------------------------------------------------------------------------- norms
+# --------------------------------------------------------------------------- reductions
+
+#: Tensors are flattened into one vector of at most this many elements per kernel
+#: (larger tensors are used as they are): on models of many small tensors one
+#: ``torch.cat`` and one reduction cost far less than a kernel per tensor, and the
+#: transient copy stays bounded (4 MiB in float32) on large ones.
+FLAT_CHUNK = 1 << 20
 
 
-def global_norm(tensors: Tensors) -> torch.Tensor:
-    """One L2 norm over every tensor of the list (a 0-dim float32 tensor).
+def chunk_plan(tensors: Tensors) -> List[List[int]]:
+    """Index groups of ``tensors`` that :func:`reductions` flattens together: same
+    device and dtype, at most :data:`FLAT_CHUNK` elements (a larger tensor alone).
+    Depends only on the tensors' shapes, devices and dtypes, so callers cache it."""
+    plan: List[List[int]] = []
+    open_chunks: dict = {}
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        key = (t.device, t.dtype)
+        if n >= FLAT_CHUNK:
+            plan.append([i])
+            continue
+        chunk = open_chunks.get(key)
+        if chunk is None or chunk[1] + n > FLAT_CHUNK:
+            chunk = open_chunks[key] = [[], 0]
+            plan.append(chunk[0])
+        chunk[0].append(i)
+        chunk[1] += n
+    return plan
 
-    Uses ``torch._foreach_norm`` (one kernel launch per device/dtype bucket) and
-    accumulates the per-tensor norms in float32 so fp16 gradients cannot overflow
-    the sum of squares.
-    """
-    if len(tensors) == 0:
-        return torch.zeros(())
-    norms = torch._foreach_norm(list(tensors))
-    device = norms[0].device
-    if any(n.device != device or n.dtype != torch.float32 for n in norms):
-        norms = [n.to(device=device, dtype=torch.float32) for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms))
+
+def _flat(tensors: Tensors, chunk: List[int]) -> torch.Tensor:
+    if len(chunk) == 1:
+        t = tensors[chunk[0]].reshape(-1)
+    else:
+        t = torch.cat([tensors[i].reshape(-1) for i in chunk])
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def reductions(terms: Sequence[Tuple[Tensors, Optional[Tensors]]], plan: Optional[List[List[int]]] = None
+               ) -> torch.Tensor:
+    """Several sums over the same list of tensors in one go, as one float64 vector on
+    the tensors' device: ``(xs, None)`` gives ``||xs||`` (one global L2 norm),
+    ``(xs, ys)`` gives ``<xs, ys>``.  Each chunk of :func:`chunk_plan` is flattened
+    once and reduced with one kernel, in float32 for fp16/bf16 (no overflow of the
+    sum of squares); the chunks' partial results add up in float64.  Reading the
+    result (``tolist()``) is the one host synchronization for all of them."""
+    first = terms[0][0]
+    if len(first) == 0:
+        return torch.zeros(len(terms), dtype=torch.float64)
+    plan = chunk_plan(first) if plan is None else plan
+    device = first[0].device
+    squares = []  # per chunk: the terms' partial results
+    for chunk in plan:
+        flats = {}
+        row = []
+        for xs, ys in terms:
+            fx = flats.get(id(xs))
+            if fx is None:
+                fx = flats[id(xs)] = _flat(xs, chunk)
+            if ys is None:
+                row.append(torch.linalg.vector_norm(fx))
+            else:
+                fy = flats.get(id(ys))
+                if fy is None:
+                    fy = flats[id(ys)] = _flat(ys, chunk)
+                row.append(torch.dot(fx, fy.to(fx.dtype)))
+        squares.append(torch.stack(row).to(device=device, dtype=torch.float64))
+    if len(squares) == 1:
+        return squares[0]
+    parts = torch.stack(squares)
+    is_norm = torch.tensor([ys is None for _, ys in terms], device=device)
+    # over chunks, norms add up as the root of the sum of squares, inner products as sums
+    return torch.where(is_norm, parts.square().sum(0).sqrt(), parts.sum(0))
+
+
+def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+    """One L2 norm over every tensor of the list (a 0-dim float64 tensor)."""
+    return reductions([(list(tensors), None)], plan)[0]
 
 
 def dot(xs: Tensors, ys: Tensors) -> float:
-    """Inner product <xs, ys> over all tensors: per-tensor dots in the tensors' precision
-    (float32 for fp16/bf16), summed on the device in float64, one host sync."""
+    """Inner product <xs, ys> over all tensors (one host synchronization)."""
     xs, ys = list(xs), list(ys)
-    if not xs:
-        return 0.0
-    device = xs[0].device
-    parts = []
-    for x, y in zip(xs, ys):
-        if x.dtype in (torch.float16, torch.bfloat16):
-            x, y = x.float(), y.float()
-        parts.append(torch.dot(x.reshape(-1), y.reshape(-1).to(x.dtype)).to(device=device, dtype=torch.float64))
-    return float(torch.stack(parts).sum())
+    return float(reductions([(xs, ys)])[0]) if xs else 0.0
 
 
 # --------------------------------------------------------------------------- slope
@@ -61,6 +113,11 @@ def dot(xs: Tensors, ys: Tensors) -> float:
 def update_moving_average(averages: Tensors, grads: Tensors, theta: float) -> None:
     """VASSO's slope, in place: ``d <- (1 - theta) * d + theta * g`` (paper eq. 4a)."""
     torch._foreach_lerp_(list(averages), list(grads), theta)
+
+
+def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: float) -> float:
+    """``<d_t, d_{t-1}>`` from scalars: ``(1 - theta) ||d_{t-1}||^2 + theta <g_t, d_{t-1}>``."""
+    return (1.0 - theta) * previous_norm * previous_norm + theta * grad_dot_previous
 
 
 # --------------------------------------------------------------------------- geometry
@@ -95,7 +152,7 @@ def ascent_direction(
         scales = [adaptive_scale(x, eta) if m else None for x, m in zip(params, adaptive_mask)]
         scaled = [v * t if t is not None else v.detach().clone() for v, t in zip(slopes, scales)]
     norm = float(global_norm(scaled)) if scaled else 0.0
-    factor = rho / norm if norm > 0.0 else 0.0
+    factor = plain_ascent_scale(rho, norm)
     for tv, t in zip(scaled, scales):
         if t is not None:
             tv.mul_(t)  # T (T v) = T^2 v
@@ -109,27 +166,59 @@ def plain_ascent_scale(rho: float, slope_norm: float) -> float:
     return rho / slope_norm if slope_norm > 0.0 else 0.0
 
 
+def plain_ascent_norm(rho: float, slope_norm: float) -> float:
+    """``||eps||`` of plain geometry: ``rho``, or 0 when ``v == 0``."""
+    return rho if slope_norm > 0.0 else 0.0
+
+
+def estimated_sharpness(rho: float, slope_norm: float) -> float:
+    """The paper's estimated sharpness, the linearized ``rho * ||v||`` (``||T v||`` adaptive)."""
+    return rho * slope_norm
+
+
 def distance_between_ascents(norm_a: float, norm_b: float, inner: float) -> float:
     """``||a - b||`` from ``||a||``, ``||b||`` and ``<a, b>`` (clamped at 0 for rounding)."""
     return math.sqrt(max(norm_a * norm_a + norm_b * norm_b - 2.0 * inner, 0.0))
 
 
+def plain_stability(scale: float, previous_scale: float, inner_slopes: float, ascent_norm: float,
+                    previous_ascent_norm: float) -> float:
+    """The stability ``||eps_t - eps_{t-1}||`` of plain geometry from scalars alone:
+    ``eps_t = s_t v_t`` and ``eps_{t-1} = s_{t-1} v_{t-1}``, so
+    ``<eps_t, eps_{t-1}> = s_t s_{t-1} <v_t, v_{t-1}>``."""
+    inner = scale * previous_scale * inner_slopes
+    return distance_between_ascents(ascent_norm, previous_ascent_norm, inner)
+
+
+# --------------------------------------------------------------------------- rho schedule
+
+
+def scheduled_rho(rho_max: float, rho_min: float, lr: float, lr_max: float, lr_min: float) -> float:
+    """GSAM's rho schedule (Zhuang et al. 2022), rho proportional to the learning rate:
+    ``rho_t = rho_min + (rho_max - rho_min) (lr_t - lr_min) / (lr_max - lr_min)``."""
+    return rho_min + (rho_max - rho_min) * (lr - lr_min) / (lr_max - lr_min)
+
+
 # --------------------------------------------------------------------------- descent correction
 
 
-def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float) -> None:
+def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
+                 h_norm: Optional[float] = None, g_dot_h: Optional[float] = None) -> None:
     """GSAM's descent (Zhuang et al. 2022), in place on ``h``.
 
     ``h <- h - alpha * g_perp`` where ``g_perp = g - (<g, h> / ||h||^2) h`` is the
     component of the first gradient orthogonal to the second; this is the
     decomposition of the authors' reference code.  No-op when ``h == 0``.
+    ``h_norm`` and ``g_dot_h`` may be passed when already reduced.
     """
     if alpha == 0.0 or len(second_grads) == 0:
         return
-    h_sq = float(global_norm(second_grads)) ** 2
+    if h_norm is None or g_dot_h is None:
+        h_norm, g_dot_h = reductions([(list(second_grads), None), (list(first_grads), list(second_grads))]).tolist()
+    h_sq = h_norm * h_norm
     if h_sq == 0.0:
         return
-    parallel = dot(first_grads, second_grads) / h_sq
+    parallel = g_dot_h / h_sq
     # h - alpha * (g - parallel * h) == (1 + alpha * parallel) * h - alpha * g
     torch._foreach_mul_(list(second_grads), 1.0 + alpha * parallel)
     torch._foreach_add_(list(second_grads), list(first_grads), alpha=-alpha)
@@ -186,7 +275,7 @@ def frozen_running_stats(module: torch.nn.Module) -> Iterator[None]:
     their running mean, variance or ``num_batches_tracked``.
 
     For the second pass at ``x + eps``: the running statistics must come from the
-    first pass only (``DESIGN.md`` section 3).  In training mode torch's BatchNorm
+    first pass only (``docs/design.md``, the host protocol).  In training mode torch's BatchNorm
     skips every buffer update when ``track_running_stats`` is False, which is what
     this flips for the duration of the block.
     """
