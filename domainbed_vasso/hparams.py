@@ -17,6 +17,10 @@ adaptive       False       False (ASAM geometry: set it)                SAM, GSA
 eta            0.01        0.01 (ASAM's offset)                         SAM, GSAM, VASSO
 =============  ==========  ===========================================  ================
 
+rho is constant. GSAM's rho schedule (the core's ``rho_min``, rho proportional to the
+learning rate) is not an hparam: DomainBed's learning rate is constant, so the schedule
+would keep rho at its maximum ``rho`` for the whole run, the same as a constant rho.
+
 The rho grid is the one SAGM (Wang et al., CVPR 2023, whose Adam/SAM/GSAM DomainBed
 numbers the paper quotes) searches; the GSAM alpha grid is this project's choice.
 """
