@@ -1,6 +1,6 @@
 """The sharpness-aware optimizer family as one wrapper over any torch optimizer.
 
-One class, four independent choices (``docs/design.md``):
+One class, four independent choices (``docs/design.md``, section 1):
 
 =============  ===================================  ===============================
 choice         knob                                 members
@@ -81,12 +81,19 @@ class SharpnessAware(torch.optim.Optimizer):
         base_optimizer: an optimizer class (built here with ``**base_kwargs``) or an
             optimizer already built over exactly these parameters.
         rho: radius of the neighbourhood, ``>= 0``; ``0`` steps exactly like the base.
+            Held in every param group (``group["rho"]``, all equal: one global norm),
+            where a scheduler may change it.
         theta: ``None`` for SAM's raw gradient, else VASSO's EMA weight in ``(0, 1]``.
         adaptive: ASAM geometry (Kwon et al. 2021), ``T = |x| + eta`` on weights.
         eta: ASAM's offset, ``>= 0``.
         gsam_alpha: GSAM's descent correction (Zhuang et al. 2022), ``>= 0``; 0 is off.
         p: probability of the second pass, in ``[0, 1]``; ``< 1`` gives eSAM/eVASSO.
         seed: seeds the coin; the same on every distributed rank.
+        rho_min: GSAM's rho schedule (``None``: constant rho): the step's rho is
+            ``rho_min + (rho - rho_min) (lr_t - lr_min) / (lr_max - lr_min)`` with
+            ``lr_t`` the first group's lr; in ``[0, rho]``.
+        lr_max: the schedule's peak lr (default: the first group's lr now).
+        lr_min: the schedule's lowest lr, ``>= 0`` (default 0).
         track_stability: compute ``||eps_t - eps_{t-1}||`` (may hold one buffer,
             see the module docstring).
         exact_restore: keep a copy of ``x_t`` during each two-pass step and restore
@@ -109,12 +116,17 @@ class SharpnessAware(torch.optim.Optimizer):
         >>> round(opt.diagnostics["ascent_norm"], 6)
         0.1
 
-    Or, for loops that own their forward and backward (fairseq, DomainBed)::
+    ``opt.step(closure, model=model)`` also keeps ``model``'s BatchNorm running
+    statistics from the first pass only.  Or, for loops that own their forward and
+    backward (fairseq, DomainBed), the host protocol (``docs/design.md``, section 3)::
 
+        >>> from plugins.perturbation import rng_state
+        >>> rng = rng_state()
         >>> opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward()
         >>> if opt.perturb():                  # g_t read from .grad; now at x_t + eps_t
         ...     opt.zero_grad()
-        ...     torch.nn.functional.cross_entropy(model(x), y).backward()   # h_t
+        ...     with opt.second_pass(model, rng):   # same RNG, BatchNorm frozen, abandon() on error
+        ...         torch.nn.functional.cross_entropy(model(x), y).backward()   # h_t
         >>> opt.descend()                      # back to x_t, base step with h_t
         True
     """

@@ -17,7 +17,9 @@ def test_bad_flag_exits_nonzero_before_training(toy_data, tmp_path, fs):
     text = out.stdout + out.stderr
     assert out.returncode == 2, text[-2000:]
     assert "error: --rho must be in [0, inf), got -1.0" in text, text[-2000:]
-    assert "Traceback" not in text and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # one line, the last (no traceback, no usage text)
+    assert "Traceback" not in text and "usage:" not in text, out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("error: --rho must be in [0, inf), got -1.0")
     # refused before fairseq set up the task (dictionaries) or built the model
     assert "dictionary:" not in text and "num. shared model params" not in text, text[-2000:]
     assert "begin training epoch" not in text and "train_inner" not in text
