@@ -328,12 +328,16 @@ class SharpnessAware(torch.optim.Optimizer):
         scalar_stability = self.track_stability and not self.adaptive and (not vasso or self.p >= 1.0)
         want_inner = scalar_stability and two_pass and self._previous is not None
 
-        # One reduction, one host sync: ||g_t|| (finiteness, SAM's ||v_t||) and, for the
-        # scalar stability, <g_t, v_last> (SAM: g of the last ascent; VASSO: d_{t-1}).
+        # One reduction, one host sync: ||g_t|| (finiteness, SAM's ||v_t||), for the
+        # scalar stability <g_t, v_last> (SAM: g of the last ascent; VASSO: d_{t-1}), and
+        # VASSO's ||d_t|| from d_{t-1} and g_t before d_t is written (the ascent's scale).
         slopes = lists.buffers.get("slope")
         terms = [(grads, None)]
         if want_inner and slopes is not None:
             terms.append((grads, slopes))
+        fused_norm = vasso and two_pass and slopes is not None and not lists.low_precision
+        if fused_norm:
+            terms.append((slopes, grads, self.theta))
         values = P.reductions(terms, lists.plan).tolist() if params else [0.0]
         grad_norm = values[0]
         if not math.isfinite(grad_norm):
@@ -366,7 +370,10 @@ class SharpnessAware(torch.optim.Optimizer):
             if inner_previous is not None:
                 inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
             # ||d_t|| only where eps is built (a skipped step needs none)
-            slope_norm = float(P.global_norm(slopes, lists.plan)) if two_pass else _NAN
+            if fused_norm:
+                slope_norm = values[-1]
+            else:
+                slope_norm = float(P.global_norm(slopes, lists.plan)) if two_pass else _NAN
 
         if not two_pass:
             self._pending = {"kind": "first_gradient"}

@@ -59,39 +59,50 @@ def _flat(tensors: Tensors, chunk: List[int]) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def reductions(terms: Sequence[Tuple[Tensors, Optional[Tensors]]], plan: Optional[List[List[int]]] = None
-               ) -> torch.Tensor:
-    """Several sums over the same list of tensors in one go, as one float64 vector on
-    the tensors' device: ``(xs, None)`` gives ``||xs||`` (one global L2 norm),
-    ``(xs, ys)`` gives ``<xs, ys>``.  Each chunk of :func:`chunk_plan` is flattened
-    once and reduced with one kernel, in float32 for fp16/bf16 (no overflow of the
-    sum of squares); the chunks' partial results add up in float64.  Reading the
-    result (``tolist()``) is the one host synchronization for all of them."""
+def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+    """Several sums over lists of tensors of the same shapes in one go, as one float64
+    vector on the tensors' device:
+
+    * ``(xs, None)``: ``||xs||``, one global L2 norm;
+    * ``(xs, ys)``: ``<xs, ys>``;
+    * ``(ds, gs, theta)``: ``||(1 - theta) ds + theta gs||``, the norm of VASSO's next
+      moving average, computed before (and without) updating ``ds``.
+
+    Each chunk of :func:`chunk_plan` is flattened once per list and reduced with one
+    kernel per term, in float32 for fp16/bf16 (no overflow of the sum of squares); the
+    chunks' partial results add up in float64.  Reading the result (``tolist()``) is
+    the one host synchronization for all of them."""
     first = terms[0][0]
     if len(first) == 0:
         return torch.zeros(len(terms), dtype=torch.float64)
     plan = chunk_plan(first) if plan is None else plan
     device = first[0].device
-    squares = []  # per chunk: the terms' partial results
+    partials = []  # per chunk: the terms' partial results
     for chunk in plan:
         flats = {}
+
+        def flat(xs):
+            f = flats.get(id(xs))
+            if f is None:
+                f = flats[id(xs)] = _flat(xs, chunk)
+            return f
+
         row = []
-        for xs, ys in terms:
-            fx = flats.get(id(xs))
-            if fx is None:
-                fx = flats[id(xs)] = _flat(xs, chunk)
-            if ys is None:
-                row.append(torch.linalg.vector_norm(fx))
+        for term in terms:
+            if len(term) == 3:
+                ds, gs, theta = term
+                fd = flat(ds)
+                row.append(torch.linalg.vector_norm(torch.lerp(fd, flat(gs).to(fd.dtype), theta)))
+            elif term[1] is None:
+                row.append(torch.linalg.vector_norm(flat(term[0])))
             else:
-                fy = flats.get(id(ys))
-                if fy is None:
-                    fy = flats[id(ys)] = _flat(ys, chunk)
-                row.append(torch.dot(fx, fy.to(fx.dtype)))
-        squares.append(torch.stack(row).to(device=device, dtype=torch.float64))
-    if len(squares) == 1:
-        return squares[0]
-    parts = torch.stack(squares)
-    is_norm = torch.tensor([ys is None for _, ys in terms], device=device)
+                fx = flat(term[0])
+                row.append(torch.dot(fx, flat(term[1]).to(fx.dtype)))
+        partials.append(torch.stack(row).to(device=device, dtype=torch.float64))
+    if len(partials) == 1:
+        return partials[0]
+    parts = torch.stack(partials)
+    is_norm = torch.tensor([len(term) == 3 or term[1] is None for term in terms], device=device)
     # over chunks, norms add up as the root of the sum of squares, inner products as sums
     return torch.where(is_norm, parts.square().sum(0).sqrt(), parts.sum(0))
 
