@@ -335,7 +335,7 @@ class SharpnessAware(torch.optim.Optimizer):
         terms = [(grads, None)]
         if want_inner and slopes is not None:
             terms.append((grads, slopes))
-        fused_norm = vasso and two_pass and slopes is not None and not lists.low_precision
+        fused_norm = vasso and two_pass and slopes is not None and lists.fuse_average_norm
         if fused_norm:
             terms.append((slopes, grads, self.theta))
         values = P.reductions(terms, lists.plan).tolist() if params else [0.0]
@@ -623,7 +623,7 @@ class _StepLists:
     set of such parameters: the reduction plan, the adaptive mask, whether any is
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
-    __slots__ = ("params", "names", "plan", "mask", "low_precision", "buffers")
+    __slots__ = ("params", "names", "plan", "mask", "low_precision", "fuse_average_norm", "buffers")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool):
         self.params = params
@@ -631,6 +631,13 @@ class _StepLists:
         self.plan = P.chunk_plan(params)
         self.mask = P.weight_mask(params, None if any(n is None for n in names) else names) if adaptive else None
         self.low_precision = any(q.dtype not in _EXACT_DTYPES for q in params)
+        # VASSO's ||d_t|| from the first reduction saves a host sync but costs a pass that
+        # writes d_t's size: worth it on accelerators, and on the CPU (where a "sync"
+        # costs nothing) only when every tensor is copied into a flat chunk anyway.
+        # Not for fp16/bf16: their d_t is rounded to their precision after the update.
+        all_flat = all(q.numel() < P.FLAT_BELOW for q in params)
+        on_cpu = all(q.device.type == "cpu" for q in params)
+        self.fuse_average_norm = not self.low_precision and (all_flat or not on_cpu)
         self.buffers: Dict[str, List[torch.Tensor]] = {}
 
 

@@ -23,25 +23,27 @@ _MASK64 = (1 << 64) - 1
 
 # --------------------------------------------------------------------------- reductions
 
-#: Tensors are flattened into one vector of at most this many elements per kernel
-#: (larger tensors are used as they are): on models of many small tensors one
-#: ``torch.cat`` and one reduction cost far less than a kernel per tensor, and the
-#: transient copy stays bounded (4 MiB in float32) on large ones.
+#: Tensors smaller than this many elements are flattened together (one ``torch.cat``
+#: per chunk), so that a model of many small tensors costs a few kernels instead of
+#: one per tensor; larger tensors are reduced where they are, without a copy.
+FLAT_BELOW = 1 << 15
+#: A chunk of flattened tensors holds at most this many elements (the transient copy).
 FLAT_CHUNK = 1 << 20
 
 
 def chunk_plan(tensors: Tensors) -> List[List[int]]:
     """Index groups of ``tensors`` that :func:`reductions` flattens together: same
-    device and dtype, at most :data:`FLAT_CHUNK` elements (a larger tensor alone).
-    Depends only on the tensors' shapes, devices and dtypes, so callers cache it."""
+    device and dtype, each under :data:`FLAT_BELOW` elements, at most
+    :data:`FLAT_CHUNK` in all (a larger tensor forms a group alone).  Depends only on
+    the tensors' sizes, devices and dtypes, so callers cache it."""
     plan: List[List[int]] = []
     open_chunks: dict = {}
     for i, t in enumerate(tensors):
         n = t.numel()
-        key = (t.device, t.dtype)
-        if n >= FLAT_CHUNK:
+        if n >= FLAT_BELOW:
             plan.append([i])
             continue
+        key = (t.device, t.dtype)
         chunk = open_chunks.get(key)
         if chunk is None or chunk[1] + n > FLAT_CHUNK:
             chunk = open_chunks[key] = [[], 0]
