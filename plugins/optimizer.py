@@ -346,35 +346,13 @@ class SharpnessAware(torch.optim.Optimizer):
             self._warn_nonfinite("first-pass")
             return False
         inner_previous = None
-        if want_inner:
+        if want_inner:  # <g_t, v_last>, as VASSO's <d_t, d_{t-1}> further down
             inner_previous = values[1] if slopes is not None else self._inner_with_kept_slopes(params, grads)
 
-        if not vasso:  # SAM: the slope is g_t, kept only on two-pass steps
-            if two_pass:
-                if slopes is None:
-                    slopes = self._buffers(lists, "slope", grads)
-                torch._foreach_copy_(slopes, grads)
-            slope_norm = grad_norm
-        else:  # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
-            if slopes is None:
-                fresh = {id(q) for q in params if "slope" not in self.state[q]}
-                slopes = self._buffers(lists, "slope", grads)  # new entries start at d_0 = g_0
-                kept = [i for i, q in enumerate(params) if id(q) not in fresh]
-                if len(kept) < len(params):
-                    if kept:
-                        P.update_moving_average([slopes[i] for i in kept], [grads[i] for i in kept], self.theta)
-                else:
-                    P.update_moving_average(slopes, grads, self.theta)
-            else:
-                P.update_moving_average(slopes, grads, self.theta)
-            if inner_previous is not None:
-                inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
-            # ||d_t|| only where eps is built (a skipped step needs none)
-            if fused_norm:
-                slope_norm = values[-1]
-            else:
-                slope_norm = float(P.global_norm(slopes, lists.plan)) if two_pass else _NAN
-
+        slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
+                                                values[-1] if fused_norm else None)
+        if vasso and inner_previous is not None:
+            inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
         if not two_pass:
             self._pending = {"kind": "first_gradient"}
             return False
@@ -391,46 +369,77 @@ class SharpnessAware(torch.optim.Optimizer):
             anchors = self._buffers(lists, "anchor", params, scratch=True)
             torch._foreach_copy_(anchors, params)
 
-        if not self.adaptive:
-            scale = P.plain_ascent_scale(rho, slope_norm)
-            torch._foreach_add_(params, slopes, alpha=scale)
-            ascent_norm = P.plain_ascent_norm(rho, slope_norm)
-            diag["sharpness"] = P.estimated_sharpness(rho, slope_norm)
-            eps = None
-        else:
-            eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta)
-            torch._foreach_add_(params, eps)
-            ascent_norm = float(P.global_norm(eps, lists.plan))
-            diag["sharpness"] = P.estimated_sharpness(rho, scaled_norm)
-            scale = None
-        diag["two_pass"] = 1.0
-        diag["ascent_norm"] = ascent_norm
-
+        eps, scale, ascent_norm, sharpness = self._ascend(lists, slopes, slope_norm, rho)
+        diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
         if self.track_stability:
-            previous = self._previous
-            if scalar_stability:
-                if inner_previous is not None:
-                    diag["stability"] = P.plain_stability(
-                        scale, P.plain_ascent_scale(previous["rho"], previous["slope_norm"]), inner_previous,
-                        ascent_norm, previous["ascent_norm"])
-            else:  # eps_{t-1} is not recoverable from the slope: keep it
-                kept = self._buffers(lists, "previous_ascent", grads, zeros=True)
-                if previous is not None:
-                    if eps is not None:
-                        inner = float(P.reductions([(eps, kept)], lists.plan)[0])
-                    else:
-                        inner = scale * float(P.reductions([(slopes, kept)], lists.plan)[0])
-                    diag["stability"] = P.distance_between_ascents(ascent_norm, previous["ascent_norm"], inner)
-                if eps is not None:
-                    torch._foreach_copy_(kept, eps)
-                else:
-                    torch._foreach_copy_(kept, slopes)
-                    torch._foreach_mul_(kept, scale)
+            diag["stability"] = self._stability(lists, grads, slopes, eps, scale, ascent_norm, inner_previous,
+                                                scalar_stability)
         self._previous = {"rho": rho, "slope_norm": slope_norm, "ascent_norm": ascent_norm}
 
         self._pending = {"kind": "perturbed", "lists": lists, "slopes": slopes, "scale": scale,
                          "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True}
         return True
+
+    def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
+                      fused_norm: Optional[float]):
+        """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built)."""
+        slopes = lists.buffers.get("slope")
+        if self.theta is None:  # SAM: the slope is g_t, kept only on two-pass steps
+            if two_pass:
+                if slopes is None:
+                    slopes = self._buffers(lists, "slope", grads)
+                torch._foreach_copy_(slopes, grads)
+            return slopes, grad_norm
+        # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
+        if slopes is None:  # new buffers start at d_0 = g_0
+            fresh = {id(q) for q in lists.params if "slope" not in self.state[q]}
+            slopes = self._buffers(lists, "slope", grads)
+            kept = [i for i, q in enumerate(lists.params) if id(q) not in fresh]
+            if kept:
+                P.update_moving_average([slopes[i] for i in kept], [grads[i] for i in kept], self.theta)
+        else:
+            P.update_moving_average(slopes, grads, self.theta)
+        if not two_pass:
+            return slopes, _NAN  # a skipped step needs no ||d_t||
+        if fused_norm is not None:
+            return slopes, fused_norm
+        return slopes, float(P.global_norm(slopes, lists.plan))
+
+    def _ascend(self, lists: "_StepLists", slopes: List[torch.Tensor], slope_norm: float, rho: float):
+        """Move to ``x_t + eps_t``; returns ``(eps or None, s or None, ||eps_t||, sharpness)``:
+        plain geometry adds ``s v_t`` without materializing ``eps``."""
+        params = lists.params
+        if not self.adaptive:
+            scale = P.plain_ascent_scale(rho, slope_norm)
+            torch._foreach_add_(params, slopes, alpha=scale)
+            return None, scale, P.plain_ascent_norm(rho, slope_norm), P.estimated_sharpness(rho, slope_norm)
+        eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta)
+        torch._foreach_add_(params, eps)
+        return eps, None, float(P.global_norm(eps, lists.plan)), P.estimated_sharpness(rho, scaled_norm)
+
+    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool) -> float:
+        """``||eps_t - eps_{t-1}||`` (NaN on the first ascent): from scalars where the slope
+        buffer still told ``<v_t, v_{t-1}>``, else from the kept ``previous_ascent``."""
+        previous = self._previous
+        if scalar:
+            if inner_previous is None:
+                return _NAN
+            return P.plain_stability(scale, P.plain_ascent_scale(previous["rho"], previous["slope_norm"]),
+                                     inner_previous, ascent_norm, previous["ascent_norm"])
+        kept = self._buffers(lists, "previous_ascent", grads, zeros=True)
+        stability = _NAN
+        if previous is not None:
+            if eps is not None:
+                inner = float(P.reductions([(eps, kept)], lists.plan)[0])
+            else:
+                inner = scale * float(P.reductions([(slopes, kept)], lists.plan)[0])
+            stability = P.distance_between_ascents(ascent_norm, previous["ascent_norm"], inner)
+        if eps is not None:
+            torch._foreach_copy_(kept, eps)
+        else:
+            torch._foreach_copy_(kept, slopes)
+            torch._foreach_mul_(kept, scale)
+        return stability
 
     def _inner_with_kept_slopes(self, params, grads) -> Optional[float]:
         """``<g_t, v_last>`` over the parameters that have a slope buffer (the set of
