@@ -7,7 +7,7 @@ import torch
 
 from plugins import SAM, VASSO
 from plugins.perturbation import scheduled_rho
-from core_helpers import FAMILY, build, closure_for, flat, make_batches, make_model
+from core_helpers import build, closure_for, flat, make_batches, make_model
 
 
 def test_every_group_holds_rho_and_the_step_uses_it():
