@@ -54,10 +54,13 @@ def chunk_plan(tensors: Tensors) -> List[List[int]]:
 
 
 def _flat(tensors: Tensors, chunk: List[int]) -> torch.Tensor:
-    if len(chunk) == 1:
-        t = tensors[chunk[0]].reshape(-1)
-    else:
-        t = torch.cat([tensors[i].reshape(-1) for i in chunk])
+    t = torch.cat([tensors[i].reshape(-1) for i in chunk])
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened, in float32 if it is fp16/bf16."""
+    t = t.reshape(-1)
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
@@ -70,43 +73,53 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -
     * ``(ds, gs, theta)``: ``||(1 - theta) ds + theta gs||``, the norm of VASSO's next
       moving average, computed before (and without) updating ``ds``.
 
-    Each chunk of :func:`chunk_plan` is flattened once per list and reduced with one
-    kernel per term, in float32 for fp16/bf16 (no overflow of the sum of squares); the
-    chunks' partial results add up in float64.  Reading the result (``tolist()``) is
-    the one host synchronization for all of them."""
+    The small tensors of each chunk of :func:`chunk_plan` are flattened once per list
+    (one ``torch.cat``) and reduced with one kernel per term; large tensors are reduced
+    where they are (norms with one ``torch._foreach_norm``).  fp16/bf16 are reduced in
+    float32 (no overflow of the sum of squares); inner products add up in float64.
+    Reading the result (``tolist()``) is the one host synchronization for all of them."""
     first = terms[0][0]
     if len(first) == 0:
         return torch.zeros(len(terms), dtype=torch.float64)
     plan = chunk_plan(first) if plan is None else plan
-    device = first[0].device
-    partials = []  # per chunk: the terms' partial results
-    for chunk in plan:
-        flats = {}
+    alone = [c[0] for c in plan if len(c) == 1]
+    chunks = [c for c in plan if len(c) > 1]
+    flats: dict = {}
 
-        def flat(xs):
-            f = flats.get(id(xs))
-            if f is None:
-                f = flats[id(xs)] = _flat(xs, chunk)
-            return f
+    def flat(xs, k):
+        key = (id(xs), k)
+        f = flats.get(key)
+        if f is None:
+            f = flats[key] = _flat(xs, chunks[k])
+        return f
 
-        row = []
-        for term in terms:
+    results = []
+    for term in terms:
+        if len(term) == 3 or term[1] is None:  # a norm: over the per-tensor / per-chunk norms
             if len(term) == 3:
                 ds, gs, theta = term
-                fd = flat(ds)
-                row.append(torch.linalg.vector_norm(torch.lerp(fd, flat(gs).to(fd.dtype), theta)))
-            elif term[1] is None:
-                row.append(torch.linalg.vector_norm(flat(term[0])))
+
+                def averaged(d, g):
+                    return torch.lerp(d, g.to(d.dtype), theta)
+                parts = [torch.linalg.vector_norm(averaged(_wide(ds[i]), _wide(gs[i]))) for i in alone]
+                parts += [torch.linalg.vector_norm(averaged(flat(ds, k), flat(gs, k))) for k in range(len(chunks))]
             else:
-                fx = flat(term[0])
-                row.append(torch.dot(fx, flat(term[1]).to(fx.dtype)))
-        partials.append(torch.stack(row).to(device=device, dtype=torch.float64))
-    if len(partials) == 1:
-        return partials[0]
-    parts = torch.stack(partials)
-    is_norm = torch.tensor([len(term) == 3 or term[1] is None for term in terms], device=device)
-    # over chunks, norms add up as the root of the sum of squares, inner products as sums
-    return torch.where(is_norm, parts.square().sum(0).sqrt(), parts.sum(0))
+                xs = term[0]
+                big = [xs[i] for i in alone]
+                if big and all(t.dtype in (torch.float32, torch.float64) for t in big):
+                    parts = list(torch._foreach_norm(big))
+                else:
+                    parts = [torch.linalg.vector_norm(_wide(t)) for t in big]
+                parts += [torch.linalg.vector_norm(flat(xs, k)) for k in range(len(chunks))]
+            parts = [q.to(torch.float32) if q.dtype != torch.float32 else q for q in parts]
+            results.append(torch.linalg.vector_norm(torch.stack(parts)).double())
+        else:
+            xs, ys = term
+            parts = [torch.dot(_wide(xs[i]), _wide(ys[i]).to(_wide(xs[i]).dtype)) for i in alone]
+            parts += [torch.dot(flat(xs, k), flat(ys, k).to(flat(xs, k).dtype)) for k in range(len(chunks))]
+            results.append(torch.stack([q.double() for q in parts]).sum() if len(parts) > 1
+                           else parts[0].double())
+    return torch.stack(results)
 
 
 def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None) -> torch.Tensor:
