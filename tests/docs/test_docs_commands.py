@@ -108,6 +108,22 @@ DOMAINBED_TRAIN = (".venv/bin/python -m domainbed_vasso.train --data_dir ./data 
                    "--hparams '{\"rho\": 0.05, \"theta\": 0.4, \"resnet50_augmix\": false}'")
 FINISHED_SWEEP = "reads a finished sweep of the four image datasets (a GPU job)"
 GPU_DOMAINBED = "PACS and the other image datasets: downloads of several GB and a ResNet-50, a GPU job"
+# A model with dropout and BatchNorm, a batch, a loss and VASSO after one step (so that
+# the snippet's step has an eps_{t-1}), for the snippets of the explicit API
+EXPLICIT_PRELUDE = ("import torch\n"
+                    "from plugins import VASSO\n"
+                    "torch.manual_seed(0)\n"
+                    "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),\n"
+                    "                            torch.nn.Dropout(0.1), torch.nn.Linear(8, 3))\n"
+                    "batch = (torch.randn(16, 4), torch.randint(0, 3, (16,)))\n"
+                    "def loss(model, batch):\n"
+                    "    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
+                    "opt = VASSO(model.parameters(), torch.optim.AdamW, rho=0.1, theta=0.4, lr=1e-3)\n"
+                    "loss(model, batch).backward()\n"
+                    "opt.perturb(); opt.zero_grad(); loss(model, batch).backward(); opt.descend()\n"
+                    "opt.zero_grad()\n")
+EXPLICIT_CHECK = ("print(opt.diagnostics)\n"
+                  "assert opt.diagnostics['two_pass'] == 1 and opt.diagnostics['stability'] > 0\n")
 SLURM = "needs a Slurm cluster (tests/slurm runs the launcher on a local one)"
 LOCAL_SLURM = "needs root and Slurm's packages (tests/slurm starts and stops it)"
 COLLECT_ONLY = "runs a part of the suite that CI runs anyway: collecting it checks the paths and imports"
@@ -128,21 +144,9 @@ COMMANDS = classified(
                 "criterion = torch.nn.CrossEntropyLoss()\n"
                 "x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))\n",
         expect=("ascent_norm",))),
-    ("python: loss(model, batch).backward()", substitute(
-        "the snippet uses the reader's model, batch, loss and optimizer",
-        prelude="import torch\n"
-                "from plugins import VASSO, frozen_running_stats\n"
-                "torch.manual_seed(0)\n"
-                "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),\n"
-                "                            torch.nn.Dropout(0.1), torch.nn.Linear(8, 3))\n"
-                "batch = (torch.randn(16, 4), torch.randint(0, 3, (16,)))\n"
-                "def loss(model, batch):\n"
-                "    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
-                "opt = VASSO(model.parameters(), torch.optim.AdamW, rho=0.1, theta=0.4, lr=1e-3)\n"
-                "loss(model, batch).backward()  # a first step, so that d_t exists\n"
-                "opt.perturb(); opt.zero_grad(); loss(model, batch).backward(); opt.descend()\n"
-                "opt.zero_grad()\n",
-        append="print(opt.diagnostics)\n", expect=("stability",))),
+    ("python: rng = rng_state()", substitute(
+        "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
+        + "from plugins.perturbation import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
     (FAIRSEQ_TRAIN, substitute(
         "IWSLT-14 needs a download and the model is GPU-sized: the demo's binarized toy corpus, "
         "a 1+1-layer model of width 32, 2 updates",
@@ -156,6 +160,11 @@ COMMANDS = classified(
      "--command_launcher multi_gpu",
      check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
     (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
+
+    # ---- docs/design.md
+    ("python: rng = plugins.perturbation.rng_state()", substitute(
+        "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
+        + "import plugins.perturbation\n", append=EXPLICIT_CHECK, expect=("stability",))),
 
     # ---- docs/diagnostics.md
     (".venv/bin/vasso-plot RUNS/sam/seed1 RUNS/vasso0.4/seed1 -o RUNS/diagnostics.png",
