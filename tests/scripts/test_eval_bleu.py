@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 
 import pytest
 
@@ -16,18 +17,49 @@ METHODS = ["adamw", "sam", "vasso0.4"]
 
 def test_demo_runs_end_to_end(demo_run):
     out, stdout = demo_run
-    assert "| AdamW | 34.66 |" in stdout
-    assert "| SAM | 34.75 |" in stdout
-    assert "| VASSO (theta=0.4) | 34.88 |" in stdout
     with open(os.path.join(out, "results.md"), encoding="utf-8") as f:
         text = f.read()
-    assert "Toy de-en demo" in text and "sacreBLEU" in text
-    # the diagnostics table shows fairseq_vasso's log keys for the two-pass methods only
-    diag = {l.split(" | ")[0].strip("| "): l for l in text.splitlines() if l.startswith("| ")}
-    assert diag["VASSO (theta=0.4)"].count(" - ") < diag["AdamW"].count(" - ")
+    assert text in stdout
+    # two tables, each under its own heading
+    assert "## Toy de-en demo: test BLEU with 50 % of the training targets misaligned" in text
+    assert "## Per run: training diagnostics of the last epoch" in text
+    summary, per_run = text.split("## Per run")
+    labels = {"adamw": "AdamW", "sam": "SAM", "vasso0.4": "VASSO (theta=0.4)"}
+    rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip("|").split("|")]
+            for l in summary.splitlines() if l.startswith("| ") and not l.startswith("| Method")}
+    assert sorted(rows) == sorted(labels.values())
+    for m, label in labels.items():
+        # the per-seed values are the BLEU4 lines fairseq-generate wrote for checkpoint_last.pt of each seed
+        per_seed = [eval_bleu.parse_generate(os.path.join(out, "runs", m, "seed%d" % s, "generate-test",
+                                                          "generate-test.txt"))["bleu"] for s in (1, 2)]
+        assert rows[label][2] == "%.2f, %.2f" % tuple(per_seed)
+        assert rows[label][1] == "%.2f ± %.2f" % (statistics.mean(per_seed), statistics.stdev(per_seed))
+        assert re.fullmatch(r"\d+\.\d{3} ± \d+\.\d{3}", rows[label][4])  # last valid loss
+    # loss gap and stability: logged by the two-pass methods only
+    assert rows["AdamW"][6:] == ["-", "-"]
+    for label in ("SAM", "VASSO (theta=0.4)"):
+        assert all(re.fullmatch(r"\d+\.\d{4} ± \d+\.\d{4}", c) for c in rows[label][6:]), rows[label]
+    verdicts = [l for l in summary.splitlines() if l.startswith("- ")]
+    assert len(verdicts) == 3 and all(("within the seed spread" in v) != ("exceeds the seed spread" in v)
+                                      for v in verdicts)
+    run_rows = [l for l in per_run.splitlines() if l.startswith("| ") and not l.startswith("| Method")]
+    assert [tuple(c.strip() for c in l.strip("|").split("|")[:2]) for l in run_rows] == [
+        (labels[m], str(s)) for m in labels for s in (1, 2)]
+    # progress while training (per run: updates done, elapsed time, what remains) and while scoring
+    assert re.search(r"\[\s*\d+ s\] training: .*(sam|vasso0\.4) s[12] \d+/60.*of the work\); about .* left for "
+                     r"training, .* in all", stdout), stdout
+    assert re.search(r"BLEU [0-9.]+ \(6 of 6 scored; about 0 s left\)", stdout)
+    assert "CPU time:" in stdout and "on 2 idle cores about" in stdout
+    # torch's torch.jit.script FutureWarning is not printed (neither by the demo nor by fairseq in the run logs)
+    assert "torch.jit.script" not in stdout
+    with open(os.path.join(out, "runs", "sam", "seed1", "train.log"), encoding="utf-8") as f:
+        assert "torch.jit.script" not in f.read()
     for m in METHODS:
-        assert os.path.exists(os.path.join(out, "runs", m, "seed1", "checkpoint_best.pt"))
-        assert os.path.exists(os.path.join(out, "runs", m, "seed1", "generate-test", "generate-test.txt"))
+        for s in (1, 2):
+            assert os.path.exists(os.path.join(out, "runs", m, "seed%d" % s, "checkpoint_last.pt"))
+    # the training targets are noisy, valid and test clean: the binarized train set was built from raw/train.en
+    with open(os.path.join(out, "raw", "train.en"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) == 500
     # it ends by plotting its own runs' diagnostics (Fig. 4) and the sphere (Fig. 3)
     for png in ("diagnostics.png", "adversaries.png"):
         with open(os.path.join(out, png), "rb") as f:
@@ -73,7 +105,7 @@ def test_eval_bleu_cli_mean_std_and_paper(demo_run, script, tmp_path):
     for seed in (1, 2):
         d = runs / "sam" / ("seed%d" % seed)
         d.mkdir(parents=True)
-        shutil.copy(os.path.join(out, "runs", "sam", "seed1", "checkpoint_best.pt"), d / "checkpoint_best.pt")
+        shutil.copy(os.path.join(out, "runs", "sam", "seed1", "checkpoint_last.pt"), d / "checkpoint_best.pt")
     js, md = tmp_path / "r.json", tmp_path / "r.md"
     proc = script("eval_bleu.py", os.path.join(out, "data-bin"), "--runs", runs, "--jobs", 2,
                   "--generate-args", "--max-len-a 1.2 --max-len-b 10",
