@@ -459,7 +459,7 @@ def main(argv=None):
     eval_times = []
 
     def eval_estimate():
-        # before any checkpoint is scored: a checkpoint costs about what 20 AdamW updates do
+        # before any checkpoint is scored: a checkpoint costs about what 45 AdamW updates do
         # (measured here with the default sizes); afterwards the measured time
         if eval_times:
             per = statistics.mean(eval_times)
@@ -467,7 +467,7 @@ def main(argv=None):
             left, frac = progress.remaining()
             if left is None:
                 return 0.0
-            per = 20 * left / max(1e-9, (1 - frac) * sum(passes(m) for m, _, _ in todo) * args.max_update)
+            per = 45 * left / max(1e-9, (1 - frac) * sum(passes(m) for m, _, _ in todo) * args.max_update)
         return per * n_runs / jobs
 
     failed = []
