@@ -420,6 +420,8 @@ def parse_args(argv=None):
         p.error("argument --seeds: each seed once, got %s" % " ".join(map(str, args.seeds)))
     if args.rho < 0:
         p.error("argument --rho: must be >= 0, got %g" % args.rho)
+    if args.progress_every <= 0:
+        p.error("argument --progress-every: must be > 0 seconds, got %g" % args.progress_every)
     return args
 
 

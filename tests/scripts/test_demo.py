@@ -82,3 +82,13 @@ def test_children_get_the_torch_jit_filter_and_keep_other_warnings():
     err = subprocess.run([sys.executable, "-c", code], env=demo.quiet_children_env(env), stderr=subprocess.PIPE,
                          text=True).stderr
     assert "torch.jit.script" not in err and "rho is large" in err
+
+
+@pytest.mark.parametrize("argv, flag", [(["--train-noise", "1.5"], "--train-noise"), (["--seeds", "1", "1"], "--seeds"),
+                                        (["--methods", "adam"], "--methods"), (["--max-update", "0"], "--max-update"),
+                                        (["--progress-every", "0"], "--progress-every")])
+def test_bad_arguments_name_the_flag_before_any_work(argv, flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv + ["--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
