@@ -1,4 +1,6 @@
-"""Fixtures for the tests of scripts/ (IWSLT-14 pipeline, recipe, BLEU evaluation, demo)."""
+"""Fixtures for the tests of the translation recipes and tools (IWSLT-14 pipeline, recipe,
+vasso-bleu, demo). Recipes run as the docs run them (``python scripts/...``), the tools
+as ``python -m MODULE``; library code is imported from the installed packages."""
 
 import os
 import subprocess
@@ -8,18 +10,19 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "scripts")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
 
 
 def run_script(name, *args, timeout=600, cwd=None, check=True):
-    """Runs scripts/NAME with this Python; returns the CompletedProcess (text)."""
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name)] + [str(a) for a in args],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+    """Runs scripts/NAME (a path ending in .py) or the module NAME (``python -m``) with this
+    Python; returns the CompletedProcess (text)."""
+    target = [os.path.join(SCRIPTS, name)] if name.endswith(".py") else ["-m", name]
+    # stderr apart: fairseq's import warnings must not mix with what the tests parse
+    proc = subprocess.run([sys.executable] + target + [str(a) for a in args],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
                           cwd=cwd or REPO)
     if check and proc.returncode != 0:
-        raise AssertionError("%s %s exited %d:\n%s" % (name, " ".join(map(str, args)), proc.returncode,
-                                                       proc.stdout[-6000:]))
+        raise AssertionError("%s %s exited %d:\n%s\n%s" % (name, " ".join(map(str, args)), proc.returncode,
+                                                           proc.stdout[-4000:], proc.stderr[-4000:]))
     return proc
 
 
@@ -29,7 +32,7 @@ def demo_run(tmp_path_factory):
     preprocessing, fairseq-train with adam / sam / vasso for seeds 1 and 2, fairseq-generate and
     scoring).
 
-    Returns (out_dir, stdout). Every test that needs a trained model and real
+    Returns (out_dir, stdout, stderr). Every test that needs a trained model and real
     fairseq-generate output uses this one run.
     """
     out = tmp_path_factory.mktemp("demo") / "demo"
@@ -37,10 +40,10 @@ def demo_run(tmp_path_factory):
                       "--max-update", 60, "--lr", "5e-3", "--warmup-updates", 30, "--bpe-merges", 100,
                       "--methods", "adamw", "sam", "vasso0.4", "--embed-dim", 32, "--layers", 1,
                       "--progress-every", 1, timeout=900)
-    return str(out), proc.stdout
+    return str(out), proc.stdout, proc.stderr
 
 
 @pytest.fixture(scope="session")
 def script():
-    """run_script(name, *args): runs scripts/NAME, raises with its output on failure."""
+    """run_script(name, *args): runs scripts/NAME or module NAME, raises with its output on failure."""
     return run_script
