@@ -60,6 +60,8 @@ DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 # torch.jit.script): not ours and nothing a demo user can act on. Only this message is
 # silenced, here and in the fairseq processes the demo starts (PYTHONWARNINGS).
 TORCH_JIT_WARNING = "`torch.jit.script` is deprecated"
+# before anything imports fairseq_vasso (which imports fairseq)
+warnings.filterwarnings("ignore", message=re.escape(TORCH_JIT_WARNING), category=FutureWarning)
 
 
 def tiny_model(embed_dim=128, layers=2, lr=2e-3, warmup=200, dropout=0.1):
@@ -425,7 +427,6 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     check_dependencies()
-    warnings.filterwarnings("ignore", message=re.escape(TORCH_JIT_WARNING), category=FutureWarning)
     import shutil
 
     from fairseq_vasso import bleu as eval_bleu
