@@ -79,6 +79,8 @@ def register(*, apply_environment=True):
 
     from . import digits_dataset  # RotatedDigits (scikit-learn's digits; docs/digits_results.md)
     digits_dataset.register(datasets)
+    from .slurm import register_launcher  # --command_launcher slurm (submitit)
+    register_launcher()
 
     if apply_environment:
         _locate.apply_num_workers(datasets)

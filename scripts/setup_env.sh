@@ -17,5 +17,5 @@ has torch && has torchvision || pipq torch==2.14.1 torchvision==0.29.1
 pipq setuptools wheel cython numpy
 # about 3 minutes of compiling the first time
 has fairseq || pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
-pipq --no-build-isolation -e ".[fairseq,domainbed,test]"
+pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm]"
 "$py" -c "import torch, fairseq, plugins; print('environment ready: torch', torch.__version__, '| fairseq', fairseq.__version__, '| python', __import__('sys').version.split()[0])"
