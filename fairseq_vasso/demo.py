@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """AdamW vs SAM vs VASSO on a small translation task with noisy training targets, 3 seeds each.
 
-    python scripts/demo.py                  # writes everything under runs/demo/
+    .venv/bin/python scripts/demo.py        # writes everything under runs/demo/
 
 The setting is chosen for a reason (docs/translation.md, "Why this setting"): the
 paper's evidence for VASSO is strongest under label noise (its tab.lbnoise), and a
@@ -60,7 +60,7 @@ DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 # torch.jit.script): not ours and nothing a demo user can act on. Only this message is
 # silenced, here and in the fairseq processes the demo starts (PYTHONWARNINGS).
 TORCH_JIT_WARNING = "`torch.jit.script` is deprecated"
-# before anything imports fairseq_vasso (which imports fairseq)
+# in this process too (fairseq_vasso's own import already filters fairseq's foreign warnings)
 warnings.filterwarnings("ignore", message=re.escape(TORCH_JIT_WARNING), category=FutureWarning)
 
 

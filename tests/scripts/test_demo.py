@@ -1,19 +1,14 @@
-"""scripts/demo.py's pieces that need no training: the seeded table, the verdicts on the seed spread,
+"""The demo's pieces (fairseq_vasso.demo, run by scripts/demo.py) that need no training: the seeded table, the verdicts on the seed spread,
 the progress reader and the warning filter handed to child processes (the end-to-end run is in
 test_eval_bleu.py, on the shared demo_run fixture)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-# scripts/demo.py is a recipe, not a module of the packages: load it from its path
-_spec = importlib.util.spec_from_file_location(
-    "demo", os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "demo.py"))
-demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(demo)
+from fairseq_vasso import demo
 
 
 def _results(bleus):
