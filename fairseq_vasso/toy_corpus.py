@@ -255,11 +255,37 @@ def generate(n, seed):
     return pairs
 
 
-def write_corpus(outdir, n_train=4000, n_valid=300, n_test=300, seed=1, src="de", tgt="en"):
-    """Writes OUTDIR/{train,valid,test}.{src,tgt}; splits are disjoint. Returns the file prefixes."""
+def corrupt_targets(pairs, fraction, seed):
+    """Misaligned training pairs, the translation analogue of label noise.
+
+    Picks ``round(fraction * len(pairs))`` pairs and gives each the target of another
+    picked pair (the picked targets rotated by one place in a random order), so a
+    corrupted target is a fluent English sentence of the corpus that does not
+    translate its source. Sources stay as they are. Returns (new pairs, sorted indices
+    of the corrupted pairs); a deterministic function of (pairs, fraction, seed).
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError("fraction must be in [0, 1], got %r" % (fraction,))
+    rng = random.Random(seed)
+    picked = rng.sample(range(len(pairs)), int(round(fraction * len(pairs))))
+    out = list(pairs)
+    if len(picked) < 2:  # one pair cannot be misaligned with itself
+        return out, []
+    for i, j in zip(picked, picked[1:] + picked[:1]):
+        out[i] = (pairs[i][0], pairs[j][1])
+    return out, sorted(picked)
+
+
+def write_corpus(outdir, n_train=4000, n_valid=300, n_test=300, seed=1, src="de", tgt="en", train_noise=0.0):
+    """Writes OUTDIR/{train,valid,test}.{src,tgt}; splits are disjoint. Returns the file prefixes.
+
+    ``train_noise``: the fraction of training pairs whose target is misaligned
+    (``corrupt_targets``); valid and test stay clean.
+    """
     os.makedirs(outdir, exist_ok=True)
     pairs = generate(n_train + n_valid + n_test, seed)
-    splits = {"train": pairs[:n_train], "valid": pairs[n_train:n_train + n_valid],
+    train = corrupt_targets(pairs[:n_train], train_noise, seed)[0] if train_noise else pairs[:n_train]
+    splits = {"train": train, "valid": pairs[n_train:n_train + n_valid],
               "test": pairs[n_train + n_valid:]}
     prefixes = {}
     for split, rows in splits.items():
@@ -280,8 +306,12 @@ def main(argv=None):
     p.add_argument("--valid", type=int, default=300)
     p.add_argument("--test", type=int, default=300)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--train-noise", type=float, default=0.0,
+                   help="fraction of training pairs with a misaligned target, in [0, 1]; valid/test stay clean")
     a = p.parse_args(argv)
-    write_corpus(a.outdir, a.train, a.valid, a.test, a.seed)
+    if not 0.0 <= a.train_noise <= 1.0:
+        p.error("--train-noise must be in [0, 1], got %g" % a.train_noise)
+    write_corpus(a.outdir, a.train, a.valid, a.test, a.seed, train_noise=a.train_noise)
     print("wrote", a.outdir)
 
 

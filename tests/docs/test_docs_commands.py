@@ -88,11 +88,11 @@ def classified(*entries):
 
 
 DEMO = ".venv/bin/python scripts/demo.py"
-# The demo at test scale: the same pipeline (corpus, Moses, BPE, preprocess, three
-# fairseq-train runs, fairseq-generate, BLEU, tables, plot) with a tiny model; 100 updates
-# give two log lines (the demo logs every 50), which the plotting commands read.
-TINY_DEMO = (" --train 2000 --valid 30 --test 30 --bpe-merges 60 --embed-dim 32 --layers 1"
-             " --max-update 100 --warmup-updates 50")
+# The demo at test scale: the same pipeline (corpus, Moses, BPE, preprocess, fairseq-train
+# with adam, sam and vasso, fairseq-generate, BLEU, tables, plots) with a tiny model, one
+# seed and 40 updates (4 log lines, which the plotting commands read).
+TINY_DEMO = (" --seeds 1 --train 2000 --valid 30 --test 30 --bpe-merges 60 --embed-dim 32 --layers 1"
+             " --max-update 40 --warmup-updates 20")
 # fairseq-train's model of the IWSLT recipe, shrunk (later flags override the arch's defaults)
 TINY_TRANSFORMER = (" --encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32"
                     " --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 --encoder-attention-heads 2"

@@ -28,17 +28,19 @@ def run_script(name, *args, timeout=600, cwd=None, check=True):
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
-    """A scaled-down run of scripts/demo.py (real corpus generation, preprocessing,
-    fairseq-train with adam / sam / vasso, fairseq-generate and scoring).
+    """A scaled-down run of scripts/demo.py (real corpus generation with noisy training targets,
+    preprocessing, fairseq-train with adam / sam / vasso for seeds 1 and 2, fairseq-generate and
+    scoring).
 
-    Returns (out_dir, stdout). Every test that needs a trained model and real
+    Returns (out_dir, stdout, stderr). Every test that needs a trained model and real
     fairseq-generate output uses this one run.
     """
     out = tmp_path_factory.mktemp("demo") / "demo"
-    proc = run_script("demo.py", "--out", out, "--train", 500, "--valid", 40, "--test", 40,
-                      "--max-update", 60, "--lr", "5e-3", "--warmup-updates", 30, "--bpe-merges", 100, "--methods", "adamw", "sam", "vasso0.4",
-                      "--embed-dim", 32, "--layers", 1, timeout=900)
-    return str(out), proc.stdout
+    proc = run_script("demo.py", "--out", out, "--train", 500, "--valid", 40, "--test", 40, "--seeds", 1, 2,
+                      "--max-update", 60, "--lr", "5e-3", "--warmup-updates", 30, "--bpe-merges", 100,
+                      "--methods", "adamw", "sam", "vasso0.4", "--embed-dim", 32, "--layers", 1,
+                      "--progress-every", 1, timeout=900)
+    return str(out), proc.stdout, proc.stderr
 
 
 @pytest.fixture(scope="session")

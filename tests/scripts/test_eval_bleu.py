@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 
 import pytest
 
@@ -15,19 +16,50 @@ METHODS = ["adamw", "sam", "vasso0.4"]
 
 
 def test_demo_runs_end_to_end(demo_run):
-    out, stdout = demo_run
-    assert "| AdamW | 34.66 |" in stdout
-    assert "| SAM | 34.75 |" in stdout
-    assert "| VASSO (theta=0.4) | 34.88 |" in stdout
+    out, stdout, stderr = demo_run
     with open(os.path.join(out, "results.md"), encoding="utf-8") as f:
         text = f.read()
-    assert "Toy de-en demo" in text and "sacreBLEU" in text
-    # the diagnostics table shows fairseq_vasso's log keys for the two-pass methods only
-    diag = {l.split(" | ")[0].strip("| "): l for l in text.splitlines() if l.startswith("| ")}
-    assert diag["VASSO (theta=0.4)"].count(" - ") < diag["AdamW"].count(" - ")
+    assert text in stdout
+    # two tables, each under its own heading
+    assert "## Toy de-en demo: test BLEU with 50 % of the training targets misaligned" in text
+    assert "## Per run: training diagnostics of the last epoch" in text
+    summary, per_run = text.split("## Per run")
+    labels = {"adamw": "AdamW", "sam": "SAM", "vasso0.4": "VASSO (theta=0.4)"}
+    rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip("|").split("|")]
+            for l in summary.splitlines() if l.startswith("| ") and not l.startswith("| Method")}
+    assert sorted(rows) == sorted(labels.values())
+    for m, label in labels.items():
+        # the per-seed values are the BLEU4 lines fairseq-generate wrote for checkpoint_last.pt of each seed
+        per_seed = [eval_bleu.parse_generate(os.path.join(out, "runs", m, "seed%d" % s, "generate-test",
+                                                          "generate-test.txt"))["bleu"] for s in (1, 2)]
+        assert rows[label][2] == "%.2f, %.2f" % tuple(per_seed)
+        assert rows[label][1] == "%.2f ± %.2f" % (statistics.mean(per_seed), statistics.stdev(per_seed))
+        assert re.fullmatch(r"\d+\.\d{3} ± \d+\.\d{3}", rows[label][4])  # last valid loss
+    # loss gap and stability: logged by the two-pass methods only
+    assert rows["AdamW"][6:] == ["-", "-"]
+    for label in ("SAM", "VASSO (theta=0.4)"):
+        assert all(re.fullmatch(r"\d+\.\d{4} ± \d+\.\d{4}", c) for c in rows[label][6:]), rows[label]
+    verdicts = [l for l in summary.splitlines() if l.startswith("- ")]
+    assert len(verdicts) == 3 and all(("within the seed spread" in v) != ("exceeds the seed spread" in v)
+                                      for v in verdicts)
+    run_rows = [l for l in per_run.splitlines() if l.startswith("| ") and not l.startswith("| Method")]
+    assert [tuple(c.strip() for c in l.strip("|").split("|")[:2]) for l in run_rows] == [
+        (labels[m], str(s)) for m in labels for s in (1, 2)]
+    # progress while training (per run: updates done, elapsed time, what remains) and while scoring
+    assert re.search(r"\[\s*\d+ s\] training: .*(sam|vasso0\.4) s[12] \d+/60.*of the work\); about .* left for "
+                     r"training, .* in all", stdout), stdout
+    assert re.search(r"BLEU [0-9.]+ \(6 of 6 scored; about 0 s left\)", stdout)
+    assert "CPU time:" in stdout and "on 2 idle cores about" in stdout
+    # torch's torch.jit.script FutureWarning is not printed (neither by the demo nor by fairseq in the run logs)
+    assert "torch.jit.script" not in stdout + stderr
+    with open(os.path.join(out, "runs", "sam", "seed1", "train.log"), encoding="utf-8") as f:
+        assert "torch.jit.script" not in f.read()
     for m in METHODS:
-        assert os.path.exists(os.path.join(out, "runs", m, "seed1", "checkpoint_best.pt"))
-        assert os.path.exists(os.path.join(out, "runs", m, "seed1", "generate-test", "generate-test.txt"))
+        for s in (1, 2):
+            assert os.path.exists(os.path.join(out, "runs", m, "seed%d" % s, "checkpoint_last.pt"))
+    # the training targets are noisy, valid and test clean: the binarized train set was built from raw/train.en
+    with open(os.path.join(out, "raw", "train.en"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) == 500
     # it ends by plotting its own runs' diagnostics (Fig. 4) and the sphere (Fig. 3)
     for png in ("diagnostics.png", "adversaries.png"):
         with open(os.path.join(out, png), "rb") as f:
@@ -38,7 +70,7 @@ def test_parse_real_generate_output(demo_run):
     """H/T lines and the BLEU4 line of fairseq-generate, cross-checked with sacrebleu."""
     import sacrebleu
 
-    out, _ = demo_run
+    out, _, _ = demo_run
     data = os.path.join(out, "data-bin")
     n = eval_bleu.dataset_size(data, "test")
     assert n == 40
@@ -67,13 +99,13 @@ def test_parse_real_generate_output(demo_run):
 
 
 def test_eval_bleu_cli_mean_std_and_paper(demo_run, script, tmp_path):
-    out, _ = demo_run
+    out, _, _ = demo_run
     runs = tmp_path / "runs"
     # two seeds of SAM: the demo's real checkpoint and a copy of it (same scores, std 0)
     for seed in (1, 2):
         d = runs / "sam" / ("seed%d" % seed)
         d.mkdir(parents=True)
-        shutil.copy(os.path.join(out, "runs", "sam", "seed1", "checkpoint_best.pt"), d / "checkpoint_best.pt")
+        shutil.copy(os.path.join(out, "runs", "sam", "seed1", "checkpoint_last.pt"), d / "checkpoint_best.pt")
     js, md = tmp_path / "r.json", tmp_path / "r.md"
     proc = script("fairseq_vasso.bleu", os.path.join(out, "data-bin"), "--runs", runs, "--jobs", 2,
                   "--generate-args", "--max-len-a 1.2 --max-len-b 10", "--batch-size", 8,
@@ -106,7 +138,7 @@ def test_eval_bleu_cli_mean_std_and_paper(demo_run, script, tmp_path):
 def test_eval_bleu_says_when_generation_runs_into_the_length_limit(demo_run, script):
     """--max-len-b 1 makes every hypothesis stop at the limit: one line says so and names
     --generate-args; the scores are still computed."""
-    out, _ = demo_run
+    out, _, _ = demo_run
     ckpt = os.path.join(out, "runs", "adamw", "seed1", "checkpoint_best.pt")
     proc = script("fairseq_vasso.bleu", os.path.join(out, "data-bin"), "--checkpoint", "adamw=" + ckpt,
                   "--generate-args", "--max-len-a 0 --max-len-b 1", "--batch-size", 8)

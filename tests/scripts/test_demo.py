@@ -1,0 +1,95 @@
+"""The demo's pieces (fairseq_vasso.demo, run by scripts/demo.py) that need no training: the seeded table, the verdicts on the seed spread,
+the progress reader and the warning filter handed to child processes (the end-to-end run is in
+test_eval_bleu.py, on the shared demo_run fixture)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fairseq_vasso import demo
+
+
+def _results(bleus):
+    return {(m, s): {"fairseq_bleu": b, "sacrebleu": b - 1.0} for m, per_seed in bleus.items()
+            for s, b in zip((1, 2, 3), per_seed)}
+
+
+def test_summary_table_mean_std_beside_per_seed_values():
+    results = _results({"adamw": [50.0, 52.0, 54.0], "sam": [60.0, 61.0, 62.0]})
+    stats = {("adamw", s): {"valid_loss": "3.5", "valid_best_loss": "3.0"} for s in (1, 2, 3)}
+    stats.update({("sam", s): {"valid_loss": str(3.0 + s / 10), "valid_best_loss": "2.9", "train_loss_gap": "0.05",
+                               "train_stability": "0.12"} for s in (1, 2, 3)})
+    table = demo.summary_table(["adamw", "sam"], [1, 2, 3], results, stats)
+    rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip("|").split("|")] for l in table.splitlines()[2:]}
+    assert rows["AdamW"][1:4] == ["52.00 ± 2.00", "50.00, 52.00, 54.00", "51.00 ± 2.00"]
+    assert rows["AdamW"][4:6] == ["3.500 ± 0.000", "3.000 ± 0.000"] and rows["AdamW"][6:] == ["-", "-"]
+    assert rows["SAM"][1:3] == ["61.00 ± 1.00", "60.00, 61.00, 62.00"]
+    assert rows["SAM"][4] == "3.200 ± 0.100" and rows["SAM"][6:] == ["0.0500 ± 0.0000", "0.1200 ± 0.0000"]
+    assert "per seed (s1, s2, s3)" in table.splitlines()[0]
+
+
+def test_compare_says_whether_differences_exceed_the_seed_spread():
+    results = _results({"adamw": [50.0, 52.0, 54.0], "sam": [55.0, 56.0, 57.0], "vasso0.4": [53.0, 56.0, 59.0]})
+    lines = demo.compare(["adamw", "sam", "vasso0.4"], [1, 2, 3], results)
+    assert len(lines) == 3
+    assert lines[0].startswith("SAM − AdamW: +4.00 BLEU (std 1.00 and 2.00 over seeds), exceeds the seed spread: "
+                               "every seed of SAM above every seed of AdamW")
+    assert lines[1].startswith("VASSO (theta=0.4) − AdamW: +4.00 BLEU") and "within the seed spread" in lines[1]
+    assert lines[2].startswith("VASSO (theta=0.4) − SAM: +0.00 BLEU") and "within the seed spread" in lines[2]
+    flipped = demo.compare(["adamw", "sam"], [1, 2, 3], _results({"adamw": [60.0, 61.0, 62.0], "sam": [1.0, 2.0, 3.0]}))
+    assert "-59.00 BLEU" in flipped[0] and "every seed of AdamW above every seed of SAM" in flipped[0]
+    assert "no seed spread" in demo.compare(["adamw", "sam"], [1], results)[0]
+
+
+def test_updates_done_reads_the_last_num_updates(tmp_path):
+    log = tmp_path / "train.log"
+    assert demo.updates_done(str(log)) == 0  # not started yet
+    log.write_text("+ fairseq-train ...\n")
+    assert demo.updates_done(str(log)) == 0
+    log.write_text("epoch 001:     10 / 8 loss=9.1, num_updates=10, lr=1e-4\n"
+                   "epoch 002 | loss 8.2 | num_updates 16 | lr 2e-4\n" + "x" * 10000 + "\n"
+                   "epoch 003:     20 / 8 loss=7.0, num_updates=20, lr=3e-4\n")
+    assert demo.updates_done(str(log)) == 20
+
+
+def test_progress_estimates_remaining_work_in_passes(tmp_path, monkeypatch):
+    logs = {m: tmp_path / (m + ".log") for m in ("adamw", "sam")}
+    jobs = [("sam", 1, str(logs["sam"])), ("adamw", 1, str(logs["adamw"]))]
+    lines = []
+    progress = demo.Progress(jobs, 100, lines.append, 60, lambda: 30.0)
+    assert progress.remaining() == (None, 0.0)
+    progress.set(jobs[0], "running")
+    logs["sam"].write_text("epoch 001:     10 / 8 loss=9.1, num_updates=10\n")
+    assert progress.remaining() == (None, pytest.approx(20 / 300))  # one observation: no rate yet
+    progress.first = (progress.first[0] - 100, progress.first[1])
+    logs["sam"].write_text("epoch 001:     50 / 8 loss=9.1, num_updates=50\n")
+    # 80 passes in the 100 s since the first update was seen; 200 of 300 passes left
+    left, frac = progress.remaining()
+    assert frac == pytest.approx(1 / 3) and left == pytest.approx(250, rel=0.01)
+    progress.report()
+    assert "sam s1 50/100" in lines[-1] and "0 of 2 runs done" in lines[-1] and "33 %" in lines[-1]
+    assert "4 min 10 s left for training, 4 min 40 s in all" in lines[-1]
+
+
+def test_children_get_the_torch_jit_filter_and_keep_other_warnings():
+    env = demo.quiet_children_env({"PYTHONWARNINGS": "error::DeprecationWarning", "PATH": "/usr/bin"})
+    assert env["PYTHONWARNINGS"].startswith("error::DeprecationWarning,ignore:")
+    code = ("import warnings\n"
+            "warnings.warn(%r + '. Please switch to torch.compile or torch.export.', FutureWarning)\n"
+            "warnings.warn('rho is large', FutureWarning)\n" % demo.TORCH_JIT_WARNING)
+    env.pop("PYTHONWARNINGS")
+    err = subprocess.run([sys.executable, "-c", code], env=demo.quiet_children_env(env), stderr=subprocess.PIPE,
+                         text=True).stderr
+    assert "torch.jit.script" not in err and "rho is large" in err
+
+
+@pytest.mark.parametrize("argv, flag", [(["--train-noise", "1.5"], "--train-noise"), (["--seeds", "1", "1"], "--seeds"),
+                                        (["--methods", "adam"], "--methods"), (["--max-update", "0"], "--max-update"),
+                                        (["--progress-every", "0"], "--progress-every")])
+def test_bad_arguments_name_the_flag_before_any_work(argv, flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv + ["--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
