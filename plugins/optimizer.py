@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from . import perturbation as P
+from .named_params import normalize_param_group, normalize_param_groups
 
 __all__ = ["SharpnessAware", "SAM", "VASSO"]
 
@@ -132,6 +133,8 @@ class SharpnessAware(torch.optim.Optimizer):
     def __init__(self, params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
                  adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0,
                  seed: int = 0, track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
+        # (name, tensor) pairs -> "param_names" here, as torch >= 2.5 does: older torch refuses them
+        params = normalize_param_groups(params)
         self.rho = _check_number("rho", rho, 0.0, math.inf, high_open=True)
         self.theta = None if theta is None else _check_number("theta", theta, 0.0, 1.0, low_open=True)
         self.eta = _check_number("eta", eta, 0.0, math.inf, high_open=True)
@@ -175,6 +178,7 @@ class SharpnessAware(torch.optim.Optimizer):
     # ------------------------------------------------------------------ plumbing
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        param_group = normalize_param_group(param_group)
         if hasattr(self, "base_optimizer"):
             self.base_optimizer.add_param_group(param_group)
         else:
