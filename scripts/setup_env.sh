@@ -61,4 +61,4 @@ if [ "$WITH_DOMAINBED" = 1 ]; then
     stage "installing DomainBed"
     VENV=$VENV bash scripts/install_domainbed.sh ${DOMAINBED_SOURCE:+"$DOMAINBED_SOURCE"}
 fi
-"$py" -c "import torch, fairseq, plugins; print('[setup $((SECONDS - START)) s] environment ready: torch', torch.__version__, '| fairseq', fairseq.__version__, '| python', __import__('sys').version.split()[0])"
+"$py" -W ignore::FutureWarning -c "import torch, fairseq, plugins; print('[setup $((SECONDS - START)) s] environment ready: torch', torch.__version__, '| fairseq', fairseq.__version__, '| python', __import__('sys').version.split()[0])"
