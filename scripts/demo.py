@@ -4,9 +4,9 @@
     python scripts/demo.py                  # writes everything under runs/demo/
 
 1. generates a deterministic toy German->English parallel corpus
-   (``scripts/toy_corpus.py``: articles and case, verb agreement, verb-second and
+   (``fairseq_vasso.toy_corpus``: articles and case, verb agreement, verb-second and
    verb-final word order, perfect tense, negation; 3,000 training pairs);
-2. prepares it with the IWSLT-14 pipeline's own steps (``scripts/iwslt14_prepare.py``:
+2. prepares it with the IWSLT-14 pipeline's own steps (``fairseq_vasso.iwslt14``:
    Moses tokenization with sacremoses, lowercasing, joint BPE with subword-nmt,
    ``fairseq-preprocess --joined-dictionary``);
 3. trains a tiny transformer with stock ``fairseq-train --user-dir fairseq_vasso``,
@@ -14,16 +14,16 @@
    ``--optimizer vasso --rho R --theta 0.4``: same seed, same number of updates,
    otherwise identical commands (the recipe's settings, scaled down: lr 2e-3,
    warmup 200, dropout 0.1);
-4. scores ``checkpoint_best.pt`` of each with ``scripts/eval_bleu.py``
+4. scores ``checkpoint_best.pt`` of each with ``vasso-bleu``'s code (``fairseq_vasso.bleu``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
    BLEU and sacreBLEU) and prints the comparison table, with the paper's IWSLT-14 numbers
    beside it for reference (a different, much larger task), and the sharpness
    diagnostics fairseq_vasso logs;
-5. plots them (``scripts/plot_diagnostics.py``: ||eps_t - eps_{t-1}|| and the
+5. plots them (``vasso-plot``, ``plugins.plot.diagnostics``: ||eps_t - eps_{t-1}|| and the
    perturbed-loss gap over updates, SAM and VASSO on the same axes, the paper's
    Fig. 4) into ``runs/demo/diagnostics.png``, and draws the paper's Fig. 3
-   (``scripts/adversary_sphere.py``) into ``runs/demo/adversaries.png``.
+   (``plugins.plot.sphere``) into ``runs/demo/adversaries.png``.
 
 The three training runs go at once (``--jobs 3``, one thread each): on 2 CPU cores
 AdamW (one pass per update) finishes first and the two-pass runs then have a core
@@ -39,9 +39,6 @@ import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 
@@ -83,8 +80,8 @@ def check_dependencies():
 
 
 def prepare(out, n_train, n_valid, n_test, bpe_merges, seed, log):
-    import iwslt14_prepare as prep
-    import toy_corpus
+    from fairseq_vasso import iwslt14 as prep
+    from fairseq_vasso import toy_corpus
 
     raw = os.path.join(out, "raw")
     toy_corpus.write_corpus(raw, n_train, n_valid, n_test, seed=seed)
@@ -108,8 +105,8 @@ def prepare(out, n_train, n_valid, n_test, bpe_merges, seed, log):
 
 
 def train_one(data, method, out, args, user_dir, threads):
-    import nmt_common
-    from iwslt14_recipe import train_command
+    from fairseq_vasso import nmt as nmt_common
+    from fairseq_vasso.nmt import train_command
 
     save_dir = os.path.join(out, "runs", method, "seed%d" % args.seed)
     extra = ["--max-update", str(args.max_update)]
@@ -141,7 +138,7 @@ def last_epoch_stats(log_path):
 
 
 def diagnostics_table(methods, out, seed):
-    import nmt_common
+    from fairseq_vasso import nmt as nmt_common
 
     cols = [("train_loss", "train loss"), ("valid_loss", "valid loss"), ("valid_best_loss", "best valid loss"),
             ("train_ascent_norm", "ascent norm"), ("train_loss_gap", "loss gap"),
@@ -185,8 +182,8 @@ def main(argv=None):
     check_dependencies()
     import shutil
 
-    import eval_bleu
-    import nmt_common
+    from fairseq_vasso import bleu as eval_bleu
+    from fairseq_vasso import nmt as nmt_common
 
     t0 = time.time()
 
@@ -246,8 +243,8 @@ def main(argv=None):
     with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(text)
     # the paper's Fig. 4 (stability) and the loss gap for these runs, and its Fig. 3
-    import adversary_sphere
-    import plot_diagnostics
+    from plugins.plot import diagnostics as plot_diagnostics
+    from plugins.plot import sphere as adversary_sphere
 
     runs = [os.path.join(out, "runs", m, "seed%d" % args.seed) for m in args.methods if m != "adamw"]
     if runs:

@@ -16,7 +16,6 @@ from domainbed_vasso import digits_dataset as DD
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-
 def _domainbed_importable():
     from domainbed_vasso import _locate
     try:
@@ -91,7 +90,7 @@ def test_a_few_training_steps_through_domainbed(tmp_path):
     assert records and records[-1]["args"]["dataset"] == "RotatedDigits"
     assert {"env0_out_acc", "env3_in_acc"} <= set(records[-1])
     assert (out / "done").exists()
-    tables = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "domainbed_tables.py"), str(tmp_path),
+    tables = subprocess.run([sys.executable, "-m", "domainbed_vasso.tables", str(tmp_path),
                              "--datasets", "RotatedDigits", "--selection", "oracle"],
                             check=True, cwd=ROOT, env=env, capture_output=True, text=True).stdout
     assert "RotatedDigits" in tables and "VASSO" in tables

@@ -49,6 +49,16 @@ def test_domainbed_root_at_an_empty_folder_says_how_to_fix(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_tables_without_domainbed_say_how_to_fix(tmp_path):
+    """vasso-domainbed-tables selects with DomainBed's own code: without it, one clear error."""
+    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.tables", str(tmp_path)], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    if "needs a DomainBed checkout" not in proc.stderr:
+        pytest.skip("DomainBed is importable without DOMAINBED_ROOT")
+    assert proc.returncode == 2
+    assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bad_domainbed_root_is_named(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.train"], cwd=tmp_path,
                           env=clean_env(DOMAINBED_ROOT=str(tmp_path / "nowhere")),
@@ -73,7 +83,7 @@ def test_paper_recipe_launches_the_four_datasets_with_torchvision_resnet(tmp_pat
     env = clean_env(DOMAINBED_ROOT=DOMAINBED, DATA_DIR=str(tmp_path / "data"),
                     OUTPUT_DIR=str(tmp_path / "sweep"), LAUNCHER="dummy", N_HPARAMS="1",
                     N_TRIALS="1", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "domainbed_paper_sweep.sh"), "launch",
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "domainbed", "paper_sweep.sh"), "launch",
                            "--skip_confirmation"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

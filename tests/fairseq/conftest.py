@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 # Each test module skips itself (pytest.importorskip) when fairseq is missing; this
 # file imports nothing from fairseq at module level so that collection stays clean.

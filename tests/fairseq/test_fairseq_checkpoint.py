@@ -12,6 +12,7 @@ except ImportError as exc:  # not installed, or broken against this torch
     pytest.skip(f"fairseq is not importable ({exc}); pip install --no-build-isolation fairseq-fixed==0.12.3.1",
                 allow_module_level=True)
 
+import os
 import subprocess
 import sys
 
@@ -66,9 +67,10 @@ def test_checkpoints_load_with_weights_only_and_generate_reads_them(toy_data, tm
     fs.train(fs.model_args(toy_data, tmp_path, max_update=4, extra=["--rho", "0.1"]))
     ckpt = tmp_path / "checkpoint_last.pt"
     # a fresh interpreter: weights_only on, nothing allow-listed but what the user-dir adds
-    probe = ("import sys, torch; sys.path.insert(0, sys.argv[2]); "
+    probe = ("import sys, torch; "
              "import fairseq_vasso; torch.load(sys.argv[1], map_location='cpu', weights_only=True); print('loaded')")
-    out = subprocess.run([sys.executable, "-c", probe, str(ckpt), str(fs.REPO)], capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fs.REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", probe, str(ckpt)], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-2000:]
 
     gen = fs.run_cli("fairseq_cli.generate", [

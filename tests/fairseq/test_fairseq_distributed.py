@@ -15,6 +15,7 @@ except ImportError as exc:  # not installed, or broken against this torch
                 allow_module_level=True)
 
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -24,7 +25,6 @@ import torch
 
 DRIVER = textwrap.dedent('''
     import os, sys
-    sys.path.insert(0, os.environ["FSV_REPO"])
     import torch
     import fairseq_vasso  # noqa: F401  (the hooks, as --user-dir would install them)
     from fairseq.trainer import Trainer
@@ -70,9 +70,10 @@ def test_two_ranks_match_one_rank_with_update_freq_2(toy_data, tmp_path, fs):
             "--ddp-backend", "legacy_ddp", "--distributed-backend", "gloo", "--distributed-world-size", "2",
             "--distributed-rank", str(rank), "--distributed-init-method", f"tcp://127.0.0.1:{port}",
             "--distributed-no-spawn", "--no-save"]
-        env = {"FSV_REPO": str(fs.REPO), "FSV_DUMP": str(tmp_path / f"rank{rank}.pt"), "OMP_NUM_THREADS": "1"}
+        env = {"PYTHONPATH": os.pathsep.join([str(fs.REPO), os.environ.get("PYTHONPATH", "")]),
+               "FSV_DUMP": str(tmp_path / f"rank{rank}.pt"), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(driver), *argv], cwd=str(fs.REPO),
-                                      env={**__import__("os").environ, **env},
+                                      env={**os.environ, **env},
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     # meanwhile, the single-rank reference in this process
     single_run = fs.train(_common(fs, toy_data, tmp_path / "single") + ["--update-freq", "2"])

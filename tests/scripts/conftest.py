@@ -1,4 +1,6 @@
-"""Fixtures for the tests of scripts/ (IWSLT-14 pipeline, recipe, BLEU evaluation, demo)."""
+"""Fixtures for the tests of the translation recipes and tools (IWSLT-14 pipeline, recipe,
+vasso-bleu, demo). Recipes run as the docs run them (``python scripts/...``), the tools
+as ``python -m MODULE``; library code is imported from the installed packages."""
 
 import os
 import subprocess
@@ -8,18 +10,19 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "scripts")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
 
 
 def run_script(name, *args, timeout=600, cwd=None, check=True):
-    """Runs scripts/NAME with this Python; returns the CompletedProcess (text)."""
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name)] + [str(a) for a in args],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+    """Runs scripts/NAME (a path ending in .py) or the module NAME (``python -m``) with this
+    Python; returns the CompletedProcess (text)."""
+    target = [os.path.join(SCRIPTS, name)] if name.endswith(".py") else ["-m", name]
+    # stderr apart: fairseq's import warnings must not mix with what the tests parse
+    proc = subprocess.run([sys.executable] + target + [str(a) for a in args],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
                           cwd=cwd or REPO)
     if check and proc.returncode != 0:
-        raise AssertionError("%s %s exited %d:\n%s" % (name, " ".join(map(str, args)), proc.returncode,
-                                                       proc.stdout[-6000:]))
+        raise AssertionError("%s %s exited %d:\n%s\n%s" % (name, " ".join(map(str, args)), proc.returncode,
+                                                           proc.stdout[-4000:], proc.stderr[-4000:]))
     return proc
 
 
@@ -40,5 +43,5 @@ def demo_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def script():
-    """run_script(name, *args): runs scripts/NAME, raises with its output on failure."""
+    """run_script(name, *args): runs scripts/NAME or module NAME, raises with its output on failure."""
     return run_script

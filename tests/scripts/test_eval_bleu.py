@@ -1,5 +1,5 @@
-"""scripts/eval_bleu.py and scripts/demo.py on real fairseq-generate output of tiny models
-trained by a scaled-down demo run (see conftest.demo_run)."""
+"""vasso-bleu (fairseq_vasso.bleu) and scripts/demo.py on real fairseq-generate output of tiny
+models trained by a scaled-down demo run (see conftest.demo_run)."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-import eval_bleu
+from fairseq_vasso import bleu as eval_bleu
 
 METHODS = ["adamw", "sam", "vasso0.4"]
 
@@ -75,8 +75,8 @@ def test_eval_bleu_cli_mean_std_and_paper(demo_run, script, tmp_path):
         d.mkdir(parents=True)
         shutil.copy(os.path.join(out, "runs", "sam", "seed1", "checkpoint_best.pt"), d / "checkpoint_best.pt")
     js, md = tmp_path / "r.json", tmp_path / "r.md"
-    proc = script("eval_bleu.py", os.path.join(out, "data-bin"), "--runs", runs, "--jobs", 2,
-                  "--generate-args", "--max-len-a 1.2 --max-len-b 10",
+    proc = script("fairseq_vasso.bleu", os.path.join(out, "data-bin"), "--runs", runs, "--jobs", 2,
+                  "--generate-args", "--max-len-a 1.2 --max-len-b 10", "--batch-size", 8,
                   "--ref-file", os.path.join(out, "tok", "test.en"), "--json", js, "--out", md)
     results = json.loads(js.read_text())
     assert sorted((r["method"], r["seed"]) for r in results) == [("sam", 1), ("sam", 2)]
@@ -93,6 +93,62 @@ def test_eval_bleu_cli_mean_std_and_paper(demo_run, script, tmp_path):
     assert rows["SAM"][3] == "%.2f ± 0.00" % s1["sacrebleu"]
     assert rows["SAM"][4] == "2"
     assert rows["SAM"][5].startswith("s1: %.2f / %.2f, s2: " % (s1["fairseq_bleu"], s1["sacrebleu"]))
+    # progress per checkpoint and batch, with the elapsed time (40 sentences, batches of 8)
+    for seed in (1, 2):
+        assert re.search(r"\] sam seed %d \(checkpoint \d/2\): batch 5/5, \d+ s elapsed" % seed, proc.stdout)
+    # at most one line per checkpoint about the length limit (this model is undertrained), and
+    # as the limits came from --generate-args, no advice to set them
+    limit = [l for l in proc.stdout.splitlines() if "length limit" in l]
+    assert len(limit) <= 2 and all("set by --generate-args" in l and "pass --generate-args" not in l
+                                   for l in limit), limit
+
+
+def test_eval_bleu_says_when_generation_runs_into_the_length_limit(demo_run, script):
+    """--max-len-b 1 makes every hypothesis stop at the limit: one line says so and names
+    --generate-args; the scores are still computed."""
+    out, _ = demo_run
+    ckpt = os.path.join(out, "runs", "adamw", "seed1", "checkpoint_best.pt")
+    proc = script("fairseq_vasso.bleu", os.path.join(out, "data-bin"), "--checkpoint", "adamw=" + ckpt,
+                  "--generate-args", "--max-len-a 0 --max-len-b 1", "--batch-size", 8)
+    warnings = [l for l in proc.stdout.splitlines() if "length limit" in l]
+    assert len(warnings) == 1, proc.stdout
+    # said as soon as it shows (after a batch or two), so out of the hypotheses so far
+    assert re.search(r": (\d+) of \1 hypotheses stop at the length limit \(--max-len-a 0 --max-len-b 1\)", warnings[0])
+    assert "| AdamW |" in proc.stdout
+
+
+def test_length_limit_watch_counts_hypotheses_at_the_limit(tmp_path):
+    out = tmp_path / "generate-test.txt"
+    watch = eval_bleu.LengthLimitWatch(str(out), *eval_bleu.length_limits([]))
+    assert (watch.max_len_a, watch.max_len_b) == (0.0, 200)  # fairseq's defaults
+    watch.update()  # no file yet
+    assert watch.hypotheses == 0 and not watch.mostly_at_limit
+    with open(out, "w") as f:
+        f.write("S-0\tein hund\nP-0\t%s\nS-1\tkatze\nP-1\t-0.1 -0.2\nS-2\tx\nP-2\t" % " ".join(["-1"] * 201))
+        f.flush()
+        watch.update()  # P-2 is incomplete: not counted yet
+        assert (watch.hypotheses, watch.at_limit) == (2, 1) and not watch.mostly_at_limit
+        f.write(" ".join(["-1"] * 201) + "\n")
+    watch.update()
+    assert (watch.hypotheses, watch.at_limit) == (3, 2) and watch.mostly_at_limit
+    # fairseq's default limits: the line says how to bound them
+    assert watch.message("x") == (
+        "x: 2 of 3 hypotheses stop at the length limit (--max-len-a 0 --max-len-b 200), fairseq-generate's "
+        "default: the model looks undertrained and generation is slow; to bound it, pass --generate-args "
+        "\"--max-len-a 1.2 --max-len-b 10\" (fairseq README's validation limits; the scores are then not "
+        "comparable with the paper's)")
+    bounded = eval_bleu.LengthLimitWatch(str(out), *eval_bleu.length_limits(["--max-len-a", "1.2", "--max-len-b", "10"]))
+    bounded.update()  # limits 13, 12, 12 (1.2 * source length + 10): the two long hypotheses are at them
+    assert (bounded.hypotheses, bounded.at_limit) == (3, 2)
+
+
+def test_help_shows_each_default_once_and_every_option_has_help(script):
+    text = script("fairseq_vasso.bleu", "--help").stdout
+    ref = text[text.index("\n  --ref-file"):text.index("\n  --cpu")]
+    assert ref.count("default") == 1
+    parser = eval_bleu.build_parser()
+    for action in parser._actions:
+        assert action.help, action.dest
 
 
 def test_markdown_table_statistics():

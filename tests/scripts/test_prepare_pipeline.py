@@ -1,11 +1,11 @@
-"""scripts/iwslt14_prepare.py end to end on small local files in the IWSLT-14 formats
+"""scripts/translation/iwslt14_prepare.py (the steps of fairseq_vasso.iwslt14) end to end on small local files in the IWSLT-14 formats
 (everything after the download: --raw-dir and --archive), including fairseq-preprocess."""
 
 import os
 import tarfile
 
-import iwslt14_prepare as prep
-from eval_bleu import dataset_size
+from fairseq_vasso import iwslt14 as prep
+from fairseq_vasso.bleu import dataset_size
 
 GERMAN = ["Das ist {i} ein kleiner Test.", "Wir haben {i} Hunde und Katzen gesehen!",
           "Heute, am {i}. Mai, regnet es (nicht).", "„Warum?“, fragte sie {i} Mal."]
@@ -52,7 +52,7 @@ def write_raw_dir(root, talks=5):
 def test_pipeline_from_raw_dir_to_binarized(tmp_path, script):
     raw = write_raw_dir(str(tmp_path / "orig"))
     work, dest = tmp_path / "data", tmp_path / "data-bin"
-    script("iwslt14_prepare.py", "--raw-dir", raw, "--workdir", work, "--destdir", dest,
+    script(os.path.join("translation", "iwslt14_prepare.py"), "--raw-dir", raw, "--workdir", work, "--destdir", dest,
                "--bpe-tokens", 40, "--threads", 2, "--workers", 1)
     prep_dir = work / "iwslt14.tokenized.de-en"
     tmp = prep_dir / "tmp"
@@ -102,7 +102,7 @@ def test_archive_extract_without_binarize(tmp_path, script):
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(raw, arcname="de-en")
     work = tmp_path / "data"
-    script("iwslt14_prepare.py", "--archive", archive, "--workdir", work, "--bpe-tokens", 20,
+    script(os.path.join("translation", "iwslt14_prepare.py"), "--archive", archive, "--workdir", work, "--bpe-tokens", 20,
                "--threads", 1, "--skip-binarize")
     assert (work / "orig" / "de-en" / "train.tags.de-en.de").exists()
     prep_dir = work / "iwslt14.tokenized.de-en"

@@ -1,4 +1,4 @@
-"""scripts/iwslt14_recipe.py: the dry-run commands, and that fairseq-train's own parser
+"""scripts/translation/iwslt14_recipe.py: the dry-run commands, and that fairseq-train's own parser
 accepts them with the values the paper uses."""
 
 import os
@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-import iwslt14_recipe as recipe
-import nmt_common
+from fairseq_vasso import nmt as nmt_common
 
 PAPER = {"--arch": "transformer_iwslt_de_en", "--adam-betas": "(0.9, 0.98)", "--lr": "5e-4",
          "--lr-scheduler": "inverse_sqrt", "--warmup-updates": "4000", "--weight-decay": "0.0001",
@@ -25,7 +24,7 @@ def _value(cmd, flag):
 
 
 def _dry_run(script, *args):
-    out = script("iwslt14_recipe.py", "--dry-run", *args).stdout
+    out = script(os.path.join("translation", "iwslt14_recipe.py"), "--dry-run", *args).stdout
     cmds = []
     for line in out.splitlines():
         if line.startswith("#") or not line.strip():
@@ -74,7 +73,7 @@ def test_dry_run_options_and_passthrough(script):
 
 def test_fairseq_parses_every_command():
     """fairseq-train's parser (with the user-dir imported) accepts every row's command."""
-    cmds = [recipe.train_command("DATA", m, 1, "SAVE/%s" % m) for m in nmt_common.METHODS]
+    cmds = [nmt_common.train_command("DATA", m, 1, "SAVE/%s" % m) for m in nmt_common.METHODS]
     code = r"""
 import json, sys
 from fairseq import options

@@ -1,53 +1,43 @@
-#!/usr/bin/env python
 """Per-dataset DomainBed tables in the layout of the VASSO paper's appendix
 (tab.PACS, tab.VLCS, tab.OfficeHome, tab.TerraInc) and its summary (tab.domain),
 with the paper's Adam / SAM / GSAM / VASSO numbers beside yours.
 
-    python scripts/domainbed_tables.py sweep/                       # markdown
-    python scripts/domainbed_tables.py sweep/ --format latex
-    python scripts/domainbed_tables.py sweep/ --selection loo iid oracle --err sem
+    vasso-domainbed-tables sweep/                       # markdown
+    vasso-domainbed-tables sweep/ --format latex
+    vasso-domainbed-tables sweep/ --selection loo iid oracle --err sem
+    python -m domainbed_vasso.tables ...                # the same without the console script
 
-Reads a ``domainbed_vasso.sweep`` (or DomainBed sweep) output directory: every
-``<dir>/*/results.jsonl``, as DomainBed's ``collect_results`` does. For each
-dataset, test domain and algorithm it selects, per trial, the (hparams, checkpoint)
-chosen by the model selection method and reports the test-domain accuracy as
-mean +- std over trials (``--err sem`` for DomainBed's standard error); the
-"Average" row averages the per-domain means, as the paper and DomainBed do.
+Reads a ``domainbed_vasso.sweep`` (or DomainBed sweep) output directory with
+DomainBed's own code: ``domainbed.lib.reporting`` loads every ``<dir>/*/results.jsonl``
+and groups the records by (trial, dataset, algorithm, test domain), and
+``domainbed.model_selection`` selects, per trial, the (hparams, checkpoint) of each
+group, as DomainBed's ``collect_results`` does. What this adds is the layout: the
+test-domain accuracy as mean +- std over trials (``--err sem`` for DomainBed's
+standard error; a single trial shows its accuracy alone), the paper's domain order
+and labels, the "Average" row (the mean of the per-domain means, as the paper and
+DomainBed do) and the paper's numbers beside yours.
 
 Model selection: ``loo`` is DomainBed's leave-one-domain-out cross-validation (the
 paper's). It needs the runs with two test environments that DomainBed's sweep
 launches by default; a sweep with ``--single_test_envs`` has none, and its ``loo``
 cells read "-". ``iid`` is training-domain validation, ``oracle`` test-domain
-validation. When DomainBed is importable (PYTHONPATH or DOMAINBED_ROOT), its own
-``domainbed.model_selection`` code selects; otherwise this script's re-statement of
-it does (same rules, same tie-breaking) and says so.
+validation. DomainBed must be importable (PYTHONPATH or DOMAINBED_ROOT).
 
-Test domains are matched by name: the paper orders PACS P, A, C, S and VLCS V, L,
-C, S and TerraIncognita L38, L43, L46, L100, while DomainBed's environment indices
-are alphabetical (PACS A, C, P, S; VLCS C, L, S, V; TerraIncognita L100, L38, L43,
-L46). The paper's "+-" values are printed as the paper prints them.
+Test domains are matched by name (DomainBed's ``ENVIRONMENTS``): the paper orders
+PACS P, A, C, S and VLCS V, L, C, S and TerraIncognita L38, L43, L46, L100, while
+DomainBed's environment indices are alphabetical (PACS A, C, P, S; VLCS C, L, S, V;
+TerraIncognita L100, L38, L43, L46). The paper's "+-" values are printed as the
+paper prints them.
 """
 
 import argparse
 import collections
 import itertools
-import json
 import math
 import os
 import sys
 
 import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-
-# DomainBed's ENVIRONMENTS (index order) for the datasets the paper uses.
-ENVIRONMENTS = {
-    "PACS": ["A", "C", "P", "S"],
-    "VLCS": ["C", "L", "S", "V"],
-    "OfficeHome": ["A", "C", "P", "R"],
-    "TerraIncognita": ["L100", "L38", "L43", "L46"],
-}
 
 PAPER_METHODS = ["Adam", "SAM", "GSAM", "VASSO"]
 #: our algorithm name of each of the paper's columns (ERM in DomainBed is Adam there)
@@ -109,177 +99,81 @@ SELECTIONS = {
 ALGORITHM_ORDER = ["ERM", "SAM", "GSAM", "VASSO"]
 
 
-# ----------------------------------------------------------------------------- loading
+# ----------------------------------------------------------------------------- DomainBed
+
+def domainbed():
+    """Registers this plugin with DomainBed (so its datasets, e.g. RotatedDigits, have
+    their domain names) and returns DomainBed's (model_selection, reporting, datasets).
+    Raises :class:`domainbed_vasso.DomainBedNotFound` (with the fix) without DomainBed."""
+    from . import register
+
+    register()
+    from domainbed import datasets, model_selection
+    from domainbed.lib import reporting
+
+    return model_selection, reporting, datasets
+
 
 def load_records(dirs):
-    """Every JSON line of ``<dir>/*/results.jsonl`` (as DomainBed's ``load_records``)."""
+    """Every record of ``<dir>/*/results.jsonl`` of every dir (DomainBed's ``load_records``)."""
+    _, reporting, _ = domainbed()
     records = []
     for path in dirs:
         if not os.path.isdir(path):
-            raise SystemExit(f"domainbed_tables: {path} is not a directory")
-        for sub in sorted(os.listdir(path)):
-            results = os.path.join(path, sub, "results.jsonl")
-            if os.path.isfile(results):
-                with open(results) as f:
-                    records.extend(json.loads(line) for line in f if line.strip())
+            raise SystemExit(f"vasso-domainbed-tables: {path} is not a directory")
+        records.extend(reporting.load_records(path))
     return records
 
 
-def try_domainbed():
-    """DomainBed's (model_selection, Q, datasets) or None."""
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    try:
-        from domainbed_vasso import _locate
-        _locate.domainbed_root()
-        from domainbed import model_selection
-        from domainbed.lib.query import Q
-        try:
-            import domainbed_vasso
-            domainbed_vasso.register()  # the plugin's datasets (RotatedDigits) get their domain names
-            from domainbed import datasets
-        except ImportError:
-            datasets = None
-        return model_selection, Q, datasets
-    except ImportError:
-        return None
-
-
-# ------------------------------------------------- DomainBed's selection, re-stated
-
-def _group(items, key):
-    """Q.group: [(key, [items])] sorted by key (keys JSON-encoded when unhashable)."""
-    groups = {}
-    for x in items:
-        k = key(x)
-        try:
-            hash(k)
-            hk = k
-        except TypeError:
-            hk = json.dumps({"_": k}, sort_keys=True)
-        groups.setdefault(hk, (k, []))[1].append(x)
-    return [groups[k] for k in sorted(groups)]
+def selected_accuracies(records, method):
+    """{(dataset, algorithm, test_env): {trial_seed: test accuracy in [0, 1]}}, each
+    selected by DomainBed's model selection ``method`` (a key of SELECTIONS)."""
+    model_selection, reporting, _ = domainbed()
+    selector = getattr(model_selection, SELECTIONS[method][0])
+    out = collections.defaultdict(dict)
+    for group in reporting.get_grouped_records(records):
+        acc = selector.sweep_acc(group["records"])
+        if acc is not None:
+            out[(group["dataset"], group["algorithm"], group["test_env"])][group["trial_seed"]] = float(acc)
+    return out
 
 
 def _n_envs(record):
-    n = 0
-    for i in itertools.count():
-        if f"env{i}_out_acc" not in record:
-            return n
-        n += 1
-
-
-class _Fallback:
-    """The selection methods of DomainBed's model_selection.py (commit b93c22a),
-    for when DomainBed is not importable."""
-
-    @staticmethod
-    def iid_run_acc(run):
-        tests = [r for r in run if len(r["args"]["test_envs"]) == 1]
-        if not tests:
-            return None
-        best = None
-        for r in tests:
-            t = r["args"]["test_envs"][0]
-            val = float(np.mean([r[f"env{i}_out_acc"] for i in range(_n_envs(r)) if i != t]))
-            acc = {"val_acc": val, "test_acc": r[f"env{t}_in_acc"]}
-            if best is None or acc["val_acc"] > best["val_acc"]:
-                best = acc
-        return best
-
-    @staticmethod
-    def oracle_run_acc(run):
-        tests = [r for r in run if len(r["args"]["test_envs"]) == 1]
-        if not tests:
-            return None
-        t = tests[0]["args"]["test_envs"][0]
-        last = sorted(tests, key=lambda r: r["step"])[-1]
-        return {"val_acc": last[f"env{t}_out_acc"], "test_acc": last[f"env{t}_in_acc"]}
-
-    @staticmethod
-    def _loo_step_acc(records):
-        tests = [r for r in records if len(r["args"]["test_envs"]) == 1]
-        if len(tests) != 1:
-            return None
-        t = tests[0]["args"]["test_envs"][0]
-        n = _n_envs(records[0])
-        val = np.zeros(n) - 1
-        for r in records:
-            if len(r["args"]["test_envs"]) == 2:
-                v = (set(r["args"]["test_envs"]) - {t}).pop()
-                val[v] = r[f"env{v}_in_acc"]
-        val = list(val[:t]) + list(val[t + 1:])
-        if any(v == -1 for v in val):
-            return None
-        return {"val_acc": np.sum(val) / (n - 1), "test_acc": tests[0][f"env{t}_in_acc"]}
-
-    @classmethod
-    def loo_run_acc(cls, run):
-        best = None
-        for _, step_records in _group(run, lambda r: r["step"]):
-            acc = cls._loo_step_acc(step_records)
-            if acc is not None and (best is None or acc["val_acc"] > best["val_acc"]):
-                best = acc
-        return best
-
-    @classmethod
-    def sweep_acc(cls, method, records):
-        run_acc = {"loo": cls.loo_run_acc, "iid": cls.iid_run_acc, "oracle": cls.oracle_run_acc}[method]
-        accs = [(run_acc(run), run) for _, run in _group(records, lambda r: r["args"]["hparams_seed"])]
-        accs = [a for a in accs if a[0] is not None]
-        if not accs:
-            return None
-        return sorted(accs, key=lambda a: a[0]["val_acc"])[::-1][0][0]["test_acc"]
-
-
-def grouped(records):
-    """{(trial_seed, dataset, algorithm, test_env): [records]} as DomainBed's
-    ``reporting.get_grouped_records`` (a 2-test-env record joins both groups)."""
-    out = collections.defaultdict(list)
-    for r in records:
-        a = r["args"]
-        for t in a["test_envs"]:
-            out[(a["trial_seed"], a["dataset"], a["algorithm"], t)].append(r)
-    return out
-
-
-def selected_accuracies(records, method, domainbed=None):
-    """{(dataset, algorithm, test_env): {trial_seed: test accuracy in [0, 1]}}."""
-    out = collections.defaultdict(dict)
-    if domainbed is not None:
-        model_selection, Q, _ = domainbed
-        selector = getattr(model_selection, SELECTIONS[method][0])
-    for (trial, dataset, algorithm, env), recs in grouped(records).items():
-        if domainbed is not None:
-            acc = selector.sweep_acc(Q(recs))
-        else:
-            acc = _Fallback.sweep_acc(method, recs)
-        if acc is not None:
-            out[(dataset, algorithm, env)][trial] = float(acc)
-    return out
+    """The number of environments a record reports (as DomainBed's selection counts them)."""
+    return next(i for i in itertools.count() if f"env{i}_out_acc" not in record)
 
 
 # ----------------------------------------------------------------------------- tables
 
 def summarize(values, err):
-    """mean and +- (std over trials, or standard error) in percent."""
+    """mean and +- (std over trials, or standard error; None for one trial) in percent, and
+    the number of trials."""
     v = 100.0 * np.asarray(list(values), dtype=float)
     if v.size == 0:
         return None
+    if v.size == 1:
+        return float(v[0]), None, 1
     spread = float(np.std(v)) if err == "std" else float(np.std(v) / math.sqrt(v.size))
     return float(np.mean(v)), spread, int(v.size)
 
 
-def environments(dataset, domainbed, records):
-    if domainbed is not None and domainbed[2] is not None:
-        try:
-            return list(domainbed[2].get_dataset_class(dataset).ENVIRONMENTS)
-        except Exception:
-            pass
-    if dataset in ENVIRONMENTS:
-        return ENVIRONMENTS[dataset]
-    n = max(_n_envs(r) for r in records if r["args"]["dataset"] == dataset)
-    return [str(i) for i in range(n)]
+def cell(summary):
+    """'mean ± spread', the mean alone for a single trial, '-' for none."""
+    if summary is None:
+        return "-"
+    mean, spread, _ = summary
+    return f"{mean:.1f}" if spread is None else f"{mean:.1f} ± {spread:.1f}"
+
+
+def environments(dataset, records):
+    """The dataset's domain names in DomainBed's index order (DomainBed's ENVIRONMENTS);
+    their indices for a dataset DomainBed does not know."""
+    _, _, datasets = domainbed()
+    try:
+        return list(datasets.get_dataset_class(dataset).ENVIRONMENTS)
+    except NotImplementedError:
+        n = max(_n_envs(r) for r in records if r["args"]["dataset"] == dataset)
+        return [str(i) for i in range(n)]
 
 
 def dataset_table(dataset, algorithms, accs, envs, err, paper=True):
@@ -300,7 +194,7 @@ def dataset_table(dataset, algorithms, accs, envs, err, paper=True):
         for alg in algorithms:
             s = summarize(accs.get((dataset, alg, env), {}).values(), err) if env is not None else None
             means[alg].append(None if s is None else s[0])
-            row.append("-" if s is None else f"{s[0]:.1f} ± {s[1]:.1f}")
+            row.append(cell(s))
         if spec:
             paper_row = {n: vals for n, _, vals in spec["rows"]}.get(name, {})
             row += [f"{paper_row[m][0]:.1f} ± {paper_row[m][1]:.1f}" if m in paper_row else "-"
@@ -335,7 +229,7 @@ def overall_table(datasets, algorithms, accs, envs_of, err, paper=True):
             complete = [np.mean(v) for v in trials.values() if len(v) == n_env]
             s = summarize(complete, err)
             per_alg[alg].append(None if s is None else s[0])
-            row.append("-" if s is None else f"{s[0]:.1f} ± {s[1]:.1f}")
+            row.append(cell(s))
         if show_paper:
             row += [f"{PAPER[d]['average'][m][0]:.1f} ± {PAPER[d]['average'][m][1]:.1f}" for m in PAPER_METHODS]
         rows.append(row)
@@ -349,6 +243,16 @@ def overall_table(datasets, algorithms, accs, envs_of, err, paper=True):
         else:
             avg += [f"{np.mean([PAPER[d]['average'][m][0] for d in datasets]):.1f}" for m in PAPER_METHODS]
     rows.append(avg)
+    return header, rows
+
+
+def paper_summary_table():
+    """(header, rows) of the paper's tab.domain: per dataset, each method's average over
+    test domains with its +-, and the average over the datasets."""
+    header = ["Dataset"] + PAPER_METHODS
+    rows = [[d] + [f"{PAPER[d]['average'][m][0]:.1f} ± {PAPER[d]['average'][m][1]:.1f}" for m in PAPER_METHODS]
+            for d in PAPER_DATASETS]
+    rows.append(["Average"] + [f"{PAPER_OVERALL[m]:.1f}" for m in PAPER_METHODS])
     return header, rows
 
 
@@ -380,7 +284,7 @@ def latex(title, header, rows, label=None):
 
 
 def render(records, selections=("loo", "iid"), fmt="markdown", err="std", datasets=None,
-           algorithms=None, paper=True, domainbed=None):
+           algorithms=None, paper=True, paper_summary=False):
     """All the tables as one string."""
     present_datasets = sorted({r["args"]["dataset"] for r in records})
     if datasets:
@@ -393,15 +297,15 @@ def render(records, selections=("loo", "iid"), fmt="markdown", err="std", datase
         algs = [a for a in algorithms if a in present_algs]
     else:
         algs = [a for a in ALGORITHM_ORDER if a in present_algs] + sorted(present_algs - set(ALGORITHM_ORDER))
-    envs_of = {d: environments(d, domainbed, records) for d in present_datasets}
+    envs_of = {d: environments(d, records) for d in present_datasets}
     spread = "std over trials" if err == "std" else "standard error over trials"
+    trials = len({r["args"]["trial_seed"] for r in records})
     out = []
-    source = ("DomainBed's model_selection" if domainbed is not None
-              else "this script's re-statement of DomainBed's model_selection (DomainBed not importable)")
-    out.append(f"{len(records)} records; accuracy (%) mean ± {spread}; selection by {source}. "
+    out.append(f"{len(records)} records, {trials} trial(s); accuracy (%) mean ± {spread} (one trial: its "
+               "accuracy alone); selection by DomainBed's model_selection. "
                "Paper columns: VASSO paper (Li & Giannakis, NeurIPS 2023), leave-one-domain-out.\n")
     for method in selections:
-        accs = selected_accuracies(records, method, domainbed)
+        accs = selected_accuracies(records, method)
         name = SELECTIONS[method][1]
         if method == "loo" and not any(len(r["args"]["test_envs"]) == 2 for r in records):
             out.append(f"Note: {name} needs runs with two test environments (a sweep without "
@@ -420,30 +324,49 @@ def render(records, selections=("loo", "iid"), fmt="markdown", err="std", datase
             out.append(markdown(title, header, rows))
         if fmt in ("latex", "both"):
             out.append(latex(title, header, rows, f"tab.domain-ours-{method}" if paper else None))
+    if paper_summary:
+        title = ("Paper (tab.domain; ResNet-50 fine-tuned with Adam on PACS, VLCS, OfficeHome, TerraIncognita, "
+                 "leave-one-domain-out; the paper's Adam column is ERM here)")
+        header, rows = paper_summary_table()
+        if fmt in ("markdown", "both"):
+            out.append(markdown(title, header, rows))
+        if fmt in ("latex", "both"):
+            out.append(latex(title, header, rows, "tab.domain"))
     return "\n".join(out)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input_dirs", nargs="+", help="sweep output directories")
-    parser.add_argument("--selection", nargs="+", choices=list(SELECTIONS), default=["loo", "iid"])
-    parser.add_argument("--format", choices=["markdown", "latex", "both"], default="markdown")
+    parser = argparse.ArgumentParser(prog="vasso-domainbed-tables", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Example: vasso-domainbed-tables ./sweep_vasso --selection loo iid")
+    parser.add_argument("input_dirs", nargs="+", help="sweep output directories (DomainBed's --output_dir)")
+    parser.add_argument("--selection", nargs="+", choices=list(SELECTIONS), default=["loo", "iid"],
+                        help="model selection methods, one set of tables each: loo (leave-one-domain-out, the "
+                             "paper's), iid (training-domain validation), oracle (test-domain validation); "
+                             "default: loo iid")
+    parser.add_argument("--format", choices=["markdown", "latex", "both"], default="markdown",
+                        help="table format (default: markdown)")
     parser.add_argument("--err", choices=["std", "sem"], default="std",
                         help="spread over trials: std (default) or standard error (DomainBed's)")
-    parser.add_argument("--datasets", nargs="+", default=None)
-    parser.add_argument("--algorithms", nargs="+", default=None)
+    parser.add_argument("--datasets", nargs="+", default=None,
+                        help="only these datasets, in this order (default: every one in the sweep)")
+    parser.add_argument("--algorithms", nargs="+", default=None,
+                        help="only these algorithms, in this order (default: every one in the sweep)")
     parser.add_argument("--no_paper", action="store_true", help="leave the paper's numbers out")
-    parser.add_argument("--no_domainbed", action="store_true",
-                        help="use this script's selection code even when DomainBed is importable")
+    parser.add_argument("--paper_summary", action="store_true",
+                        help="also print the paper's tab.domain (its four datasets' averages), e.g. beside a "
+                             "sweep of another dataset")
     args = parser.parse_args(argv)
+    from ._cli import register_or_exit
+
+    register_or_exit()  # one line naming the fix where DomainBed is missing
     records = load_records(args.input_dirs)
     if not records:
-        raise SystemExit(f"domainbed_tables: no results.jsonl under {', '.join(args.input_dirs)}")
-    domainbed = None if args.no_domainbed else try_domainbed()
+        raise SystemExit(f"vasso-domainbed-tables: no results.jsonl under {', '.join(args.input_dirs)}")
     print(render(records, args.selection, args.format, args.err, args.datasets, args.algorithms,
-                 not args.no_paper, domainbed))
+                 not args.no_paper, args.paper_summary))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,7 @@
 # DomainBed's sweep of ERM, SAM and VASSO over RotatedDigits (scikit-learn's digits,
 # one domain per rotation angle: domainbed_vasso/digits_dataset.py), then the table.
 #
-#   DOMAINBED_ROOT=/path/to/DomainBed bash scripts/digits_domainbed.sh [OUTPUT_DIR]
+#   DOMAINBED_ROOT=/path/to/DomainBed bash scripts/domainbed/digits_sweep.sh [OUTPUT_DIR]
 #
 # OUTPUT_DIR defaults to sweep/digits (git-ignored). Re-running resumes: DomainBed's
 # sweep skips the jobs that are done. 3 algorithms x 3 trials x 10 test-domain sets
@@ -12,9 +12,9 @@
 # Adam lr 1e-3, batch 64 per domain, MLP featurizer 64-128-128). Each child runs on
 # one thread (OMP_NUM_THREADS=1). Extra arguments go to the sweep (e.g. --n_trials 1).
 # The sweep's own output (DomainBed prints every job's log) goes to OUTPUT_DIR/sweep.log;
-# stdout gets the tables only.
+# stdout gets the tables only (vasso-domainbed-tables, with the paper's tab.domain).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${1:-sweep/digits}
 shift || true
@@ -26,18 +26,4 @@ mkdir -p "$OUT"
     --data_dir "$OUT/unused_data_dir" --output_dir "$OUT" --command_launcher local \
     --n_hparams 1 --n_trials 3 --hparams "$HPARAMS" --skip_confirmation "$@" >> "$OUT/sweep.log" 2>&1
 echo "sweep: $(grep -c . <(ls -d "$OUT"/*/done 2>/dev/null)) jobs done (log: $OUT/sweep.log)" >&2
-"$PY" scripts/domainbed_tables.py "$OUT" --datasets RotatedDigits --selection loo iid
-"$PY" - <<'PYEOF'
-import os, sys
-sys.path.insert(0, "scripts")
-import domainbed_tables as T
-print("### Paper (tab.domain; ResNet-50 fine-tuned with Adam on PACS, VLCS, OfficeHome,")
-print("TerraIncognita, leave-one-domain-out; not comparable in value: compare the ordering)\n")
-print("| Dataset | " + " | ".join(T.PAPER_METHODS) + " |")
-print("|---|" + "|".join([":---:"] * len(T.PAPER_METHODS)) + "|")
-for d in T.PAPER_DATASETS:
-    print(f"| {d} | " + " | ".join(f"{T.PAPER[d]['average'][m][0]:.1f} ± {T.PAPER[d]['average'][m][1]:.1f}"
-                                   for m in T.PAPER_METHODS) + " |")
-print("| Average | " + " | ".join(f"{T.PAPER_OVERALL[m]:.1f}" for m in T.PAPER_METHODS) + " |")
-print("\n(paper's Adam column = ERM here)")
-PYEOF
+"$PY" -m domainbed_vasso.tables "$OUT" --datasets RotatedDigits --selection loo iid --paper_summary

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """A small, deterministic German-to-English toy translation corpus.
 
-The demo (``scripts/demo.py``) and the tests need a parallel corpus that exists
+The demo (``scripts/demo.py``), the benchmark and the tests need a parallel corpus that exists
 without network access, is the same on every machine, and is rich enough that a
 tiny transformer's BLEU rises well above 0 within a few CPU minutes.  This module
 generates one from a small grammar of real German and English words:
@@ -23,7 +22,7 @@ machine.
 
 Usage::
 
-    python scripts/toy_corpus.py OUTDIR [--train 4000 --valid 300 --test 300 --seed 1]
+    python -m fairseq_vasso.toy_corpus OUTDIR [--train 4000 --valid 300 --test 300 --seed 1]
 
 writes ``OUTDIR/{train,valid,test}.{de,en}``.
 """

@@ -6,9 +6,9 @@
 # from torchvision.
 #
 #   DATA_DIR=./domainbed/data OUTPUT_DIR=./sweep_vasso LAUNCHER=multi_gpu \
-#       scripts/domainbed_paper_sweep.sh                 # launch
-#   scripts/domainbed_paper_sweep.sh delete_incomplete   # then launch again to resume
-#   python scripts/domainbed_tables.py ./sweep_vasso     # the tables, paper beside yours
+#       bash scripts/domainbed/paper_sweep.sh                 # launch
+#   bash scripts/domainbed/paper_sweep.sh delete_incomplete   # then launch again to resume
+#   vasso-domainbed-tables ./sweep_vasso                      # the tables, paper beside yours
 #
 # Environment (all optional but DATA_DIR): PYTHON (default: python), OUTPUT_DIR
 # (default ./sweep_vasso), LAUNCHER (local | multi_gpu | dummy | ..., default local),

@@ -1,12 +1,12 @@
-#!/usr/bin/env python
-"""IWSLT-14 German-English data, prepared as fairseq's example does it.
+"""IWSLT-14 German-English data, prepared as fairseq's example does it: the steps.
 
 This is fairseq's ``examples/translation/prepare-iwslt14.sh`` step for step, with
 the Moses perl scripts replaced by their PyPI ports (``sacremoses`` for
 tokenizer.perl, with one rule brought in line with today's tokenizer.perl, see
 ``moses_tokenizer``; Python for lowercase.perl and clean-corpus-n.perl) and the
 subword-nmt git checkout by the ``subword-nmt`` package, then binarized with
-``fairseq-preprocess``. ``tests/scripts/test_moses_parity.py`` runs the original
+``fairseq-preprocess``. The recipe ``scripts/translation/iwslt14_prepare.py`` runs them
+all; the demo runs the text steps on its toy corpus. ``tests/scripts/test_moses_parity.py`` runs the original
 steps with the perl scripts (where ``MOSES_SCRIPTS`` points at them) on generated
 IWSLT-format files full of punctuation, abbreviations, escapes and non-ASCII text,
 and requires every intermediate file to be byte-identical.
@@ -42,22 +42,19 @@ Layout (the shell script's, under ``--workdir``, default ``data/``)::
 
 Usage::
 
-    python scripts/iwslt14_prepare.py                       # download, then all steps
-    python scripts/iwslt14_prepare.py --raw-dir path/to/de-en   # no network needed
+    python scripts/translation/iwslt14_prepare.py                         # download, then all steps
+    python scripts/translation/iwslt14_prepare.py --raw-dir path/to/de-en # no network needed
 """
 
-import argparse
 import multiprocessing
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nmt_common import fairseq_bin  # noqa: E402
+from .nmt import fairseq_bin
 
 # The shell script's URL (wit3.fbk.eu) has been offline for years; fairseq's
 # mirror of the same archive is tried first.
@@ -372,37 +369,3 @@ def prepare_text(raw_dir, prep_dir, bpe_tokens=BPE_TOKENS, threads=1, log=print)
             log("apply_bpe.py to %s.%s..." % (split, l))
             apply_bpe(code, os.path.join(tmp, "%s.%s" % (split, l)), os.path.join(prep_dir, "%s.%s" % (split, l)))
     return prep_dir
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="IWSLT-14 de-en as fairseq's prepare-iwslt14.sh, then fairseq-preprocess.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workdir", default="data", help="holds orig/ and iwslt14.tokenized.de-en/")
-    p.add_argument("--raw-dir", help="an extracted de-en folder (train.tags.de-en.*, IWSLT14.TED*.xml): no download")
-    p.add_argument("--archive", help="a local de-en.tgz to extract instead of downloading")
-    p.add_argument("--url", action="append", help="download URL (repeatable; default: fairseq's mirror, then wit3)")
-    p.add_argument("--bpe-tokens", type=int, default=BPE_TOKENS, help="learn_bpe.py -s")
-    p.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="tokenizer processes")
-    p.add_argument("--destdir", default="data-bin/iwslt14.tokenized.de-en", help="fairseq-preprocess --destdir")
-    p.add_argument("--workers", type=int, default=min(20, os.cpu_count() or 1), help="fairseq-preprocess --workers")
-    p.add_argument("--separate-dictionaries", action="store_true",
-                   help="binarize without --joined-dictionary (fairseq README's variant)")
-    p.add_argument("--skip-binarize", action="store_true", help="stop after BPE (no fairseq needed)")
-    a = p.parse_args(argv)
-
-    orig = os.path.join(a.workdir, "orig")
-    if a.raw_dir:
-        raw_dir = a.raw_dir
-    elif a.archive:
-        raw_dir = extract(a.archive, orig)
-    else:
-        raw_dir = download(orig, a.url or URLS)
-    prep = os.path.join(a.workdir, "iwslt14.tokenized.%s" % LANG)
-    prepare_text(raw_dir, prep, a.bpe_tokens, a.threads, log=lambda m: print(m, flush=True))
-    if not a.skip_binarize:
-        binarize(prep, a.destdir, workers=a.workers, joined=not a.separate_dictionaries)
-        print("binarized data in %s" % a.destdir)
-
-
-if __name__ == "__main__":
-    main()

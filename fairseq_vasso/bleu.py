@@ -1,16 +1,20 @@
-#!/usr/bin/env python
 """Test BLEU of fairseq checkpoints, per seed and mean ± std per method, beside the paper.
 
 For every checkpoint this runs fairseq's own generator::
 
     fairseq-generate DATA --path CKPT --gen-subset test --beam 5 --remove-bpe \\
         --required-batch-size-multiple 1 --batch-size 128 --user-dir fairseq_vasso \\
-        --results-path CKPT_DIR/generate-test
+        --results-path CKPT_DIR/generate-test --log-format simple --log-interval 1
 
 (``--required-batch-size-multiple 1``: otherwise fairseq-generate can silently drop
 sentences; this script checks that every sentence of the subset was translated.
 ``--user-dir``: importing fairseq_vasso allow-lists ``argparse.Namespace`` so the
-checkpoint loads with torch's ``weights_only`` protection on.) It then reports
+checkpoint loads with torch's ``weights_only`` protection on. ``--log-interval 1``: one
+progress line per batch, which this command turns into progress with the elapsed time.)
+fairseq's default length limits stay (``--max-len-a 0 --max-len-b 200``), so the scores
+are comparable with the paper's; when most hypotheses run into that limit (an
+undertrained model: generation is then slow), one line says so and how to bound it
+with ``--generate-args``. It then reports
 
 * **fairseq BLEU**: the ``BLEU4`` that fairseq-generate prints, i.e. tokenized BLEU
   on the (Moses-tokenized, lowercased, BPE-removed) text: the number the paper's
@@ -30,7 +34,8 @@ paper's BLEU beside them. The table is markdown; ``--json`` also writes every nu
 
 Usage::
 
-    python scripts/eval_bleu.py data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14
+    vasso-bleu data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14
+    python -m fairseq_vasso.bleu ...     # the same without the console script
 """
 
 import argparse
@@ -41,24 +46,31 @@ import re
 import shlex
 import statistics
 import struct
-import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nmt_common  # noqa: E402
-from nmt_common import METHODS  # noqa: E402
+from . import nmt
+from .nmt import METHODS
 
 BLEU_LINE = re.compile(r"^Generate (\S+) with beam=(\d+): BLEU4 = ([0-9.]+)")
+# fairseq's simple progress bar, one line per batch with --log-interval 1: ":      3 / 12 wps=..."
+BATCH_LINE = re.compile(r":\s+(\d+) / (\d+)\b")
+# fairseq-generate's defaults (fairseq.dataclass.configs.GenerationConfig)
+DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B = 0.0, 200
+# what the warning suggests: the length limits of fairseq README's validation BLEU
+SUGGESTED_BOUND = "--max-len-a 1.2 --max-len-b 10"
 
 
 # ---------------------------------------------------------------- generate
 def generate_command(data, checkpoint, results_dir, *, subset="test", beam=5, batch_size=128,
                      user_dir=None, cpu=None, extra=()):
-    cmd = [nmt_common.fairseq_bin("fairseq-generate"), data, "--path", checkpoint,
+    cmd = [nmt.fairseq_bin("fairseq-generate"), data, "--path", checkpoint,
            "--gen-subset", subset, "--beam", str(beam), "--remove-bpe",
            "--required-batch-size-multiple", "1", "--batch-size", str(batch_size),
-           "--user-dir", user_dir or nmt_common.default_user_dir(), "--results-path", results_dir]
+           "--user-dir", user_dir or nmt.default_user_dir(), "--results-path", results_dir,
+           "--log-format", "simple", "--log-interval", "1"]
     if cpu is None:
         cpu = not _cuda_available()
     if cpu:
@@ -135,17 +147,108 @@ def sacrebleu_score(hyps, refs, lang="en"):
     return result.score, str(metric.get_signature())
 
 
+def length_limits(extra):
+    """(max_len_a, max_len_b) that fairseq-generate uses given the extra arguments."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-len-a", type=float, default=DEFAULT_MAX_LEN_A)
+    p.add_argument("--max-len-b", type=int, default=DEFAULT_MAX_LEN_B)
+    known, _ = p.parse_known_args(list(extra))
+    return known.max_len_a, known.max_len_b
+
+
+class LengthLimitWatch:
+    """Counts the hypotheses of a fairseq-generate output file (read as it grows) that
+    stopped at the length limit ``max_len_a * source length + max_len_b``.
+
+    The source length is that of the ``S-`` line (BPE removed, plus the end of sentence),
+    a lower bound of what the generator saw; with fairseq's default ``max_len_a = 0``
+    the count is exact. A hypothesis's length is its ``P-`` scores less the end of
+    sentence."""
+
+    def __init__(self, path, max_len_a=DEFAULT_MAX_LEN_A, max_len_b=DEFAULT_MAX_LEN_B):
+        self.path, self.max_len_a, self.max_len_b = path, max_len_a, max_len_b
+        self.hypotheses = self.at_limit = 0
+        self._offset, self._partial, self._src_len = 0, "", {}
+
+    def update(self):
+        try:
+            with open(self.path, encoding="utf-8", newline="\n") as f:
+                f.seek(self._offset)
+                text = f.read()
+                self._offset = f.tell()
+        except FileNotFoundError:
+            return
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.startswith("S-"):
+                sid, _, src = line.partition("\t")
+                self._src_len[sid[2:]] = len(src.split()) + 1
+            elif line.startswith("P-"):
+                sid, _, scores = line.partition("\t")
+                limit = int(self.max_len_a * self._src_len.get(sid[2:], 1) + self.max_len_b)
+                self.hypotheses += 1
+                self.at_limit += int(len(scores.split()) - 1 >= limit)
+
+    @property
+    def mostly_at_limit(self):
+        return self.hypotheses > 0 and self.at_limit > self.hypotheses / 2
+
+    def message(self, name):
+        head = ("%s: %d of %d hypotheses stop at the length limit (--max-len-a %g --max-len-b %d)"
+                % (name, self.at_limit, self.hypotheses, self.max_len_a, self.max_len_b))
+        if (self.max_len_a, self.max_len_b) != (DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B):
+            return head + ", set by --generate-args: the model looks undertrained"
+        return (head + ", fairseq-generate's default: the model looks undertrained and generation is slow; to "
+                "bound it, pass --generate-args \"%s\" (fairseq README's validation limits; the scores are then "
+                "not comparable with the paper's)" % SUGGESTED_BOUND)
+
+
 def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=128, user_dir=None,
-                        cpu=None, lang="en", ref_file=None, results_dir=None, extra=(), env=None):
-    """Runs fairseq-generate on one checkpoint and scores it; returns a dict of results."""
+                        cpu=None, lang="en", ref_file=None, results_dir=None, extra=(), env=None,
+                        name=None, progress=None):
+    """Runs fairseq-generate on one checkpoint and scores it; returns a dict of results.
+
+    ``progress(message)``, when given, gets a line per batch (at most one every 2 s, and
+    the last) with the elapsed time and an estimate of what remains, and one line when
+    most hypotheses run into the length limit; ``name`` labels them (default: the path)."""
     results_dir = results_dir or os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "generate-" + subset)
     cmd = generate_command(data, checkpoint, results_dir, subset=subset, beam=beam, batch_size=batch_size,
                            user_dir=user_dir, cpu=cpu, extra=extra)
     log = os.path.join(results_dir, "generate.log")
-    rc = nmt_common.run_logged(cmd, log, env=env)
     out_file = os.path.join(results_dir, "generate-%s.txt" % subset)
+    name = name or checkpoint
+    watch = LengthLimitWatch(out_file, *length_limits(extra))
+    state = {"start": time.time(), "shown": 0.0, "warned": False}
+
+    def warn_once():
+        if progress and not state["warned"] and watch.mostly_at_limit:
+            state["warned"] = True
+            progress(watch.message(name))
+
+    def on_line(line):
+        m = BATCH_LINE.search(line)
+        if not m or progress is None:
+            return
+        done, total = int(m.group(1)), int(m.group(2))
+        elapsed = time.time() - state["start"]
+        if done < total and elapsed - state["shown"] < 2.0:
+            return
+        state["shown"] = elapsed
+        left = elapsed / done * (total - done)
+        progress("%s: batch %d/%d, %.0f s elapsed, about %.0f s left" % (name, done, total, elapsed, left))
+        watch.update()
+        warn_once()
+
+    if os.path.exists(out_file):
+        os.remove(out_file)  # the watch must not read an earlier run's output
+    if progress:
+        progress("%s: fairseq-generate --beam %d on %s/%s (log: %s)" % (name, beam, data, subset, log))
+    rc = nmt.run_logged(cmd, log, env=env, on_line=on_line)
     if rc != 0 or not os.path.exists(out_file):
-        raise RuntimeError("fairseq-generate failed (exit status %d) on %s:\n%s" % (rc, checkpoint, nmt_common.tail(log)))
+        raise RuntimeError("fairseq-generate failed (exit status %d) on %s:\n%s" % (rc, checkpoint, nmt.tail(log)))
+    watch.update()
+    warn_once()
     parsed = parse_generate(out_file)
     if parsed["bleu"] is None:
         raise RuntimeError("no 'Generate %s with beam=...: BLEU4 = ...' line in %s" % (subset, out_file))
@@ -160,7 +263,8 @@ def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=1
         refs = [all_refs[i] for i in parsed["ids"]]
     sacre, signature = sacrebleu_score(parsed["hyps"], refs, lang)
     return {"checkpoint": checkpoint, "output": out_file, "n": len(parsed["hyps"]), "fairseq_bleu": parsed["bleu"],
-            "fairseq_bleu_line": parsed["bleu_line"], "sacrebleu": sacre, "sacrebleu_signature": signature}
+            "fairseq_bleu_line": parsed["bleu_line"], "sacrebleu": sacre, "sacrebleu_signature": signature,
+            "at_length_limit": watch.at_limit, "seconds": round(time.time() - state["start"], 1)}
 
 
 # ---------------------------------------------------------------- runs and the table
@@ -232,28 +336,50 @@ def markdown_table(results, paper_column=True, title=None):
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one and the help text does not name it already."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, "", [], argparse.SUPPRESS) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="vasso-bleu", description=__doc__.split("\n\n")[0],
+                                formatter_class=_HelpFormatter,
+                                epilog="Example: vasso-bleu data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14")
     p.add_argument("data", help="binarized data directory (fairseq-preprocess --destdir)")
-    p.add_argument("--runs", help="recipe layout: RUNS/<method>/seed<k>/CHECKPOINT")
+    p.add_argument("--runs", help="score every RUNS/<method>/seed<k>/CHECKPOINT (the recipe's layout)")
     p.add_argument("--checkpoint", action="append", default=[], metavar="METHOD=PATH",
                    help="a checkpoint to score as METHOD (repeatable; seed from a seed<k> folder, else 1, 2, ...)")
-    p.add_argument("--checkpoint-name", default="checkpoint_best.pt")
-    p.add_argument("--subset", default="test")
-    p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--user-dir", default=None, help="fairseq_vasso folder (default: the repository's or installed one)")
-    p.add_argument("--lang", default="en", help="target language, for Moses detokenization")
-    p.add_argument("--ref-file", help="tokenized plain-text reference for sacreBLEU (default: the T- lines)")
-    p.add_argument("--cpu", action="store_true", default=None, help="force --cpu (default: when CUDA is absent)")
+    p.add_argument("--checkpoint-name", default="checkpoint_best.pt",
+                   help="the checkpoint file that --runs looks for in every run folder")
+    p.add_argument("--subset", default="test", help="the binarized subset to translate (fairseq-generate --gen-subset)")
+    p.add_argument("--beam", type=int, default=5, help="beam size (fairseq-generate --beam)")
+    p.add_argument("--batch-size", type=int, default=128, help="sentences per batch (fairseq-generate --batch-size)")
+    p.add_argument("--user-dir", default=None,
+                   help="fairseq_vasso folder for fairseq-generate --user-dir (default: this installed package)")
+    p.add_argument("--lang", default="en", help="target language, for Moses detokenization before sacreBLEU")
+    p.add_argument("--ref-file",
+                   help="tokenized plain-text reference for sacreBLEU, one line per sentence id "
+                        "(default: the T- lines of fairseq-generate's output)")
+    p.add_argument("--cpu", action="store_true", default=None,
+                   help="pass --cpu to fairseq-generate (default: only when CUDA is absent)")
     p.add_argument("--jobs", type=int, default=1, help="fairseq-generate processes at once")
     p.add_argument("--generate-args", default="",
-                   help="more fairseq-generate arguments, one string, e.g. \"--max-len-a 1.2 --max-len-b 10\"")
+                   help="more fairseq-generate arguments, one string; e.g. \"%s\" bounds the length of the "
+                        "hypotheses (fairseq's defaults, which the paper's scores assume, are --max-len-a 0 "
+                        "--max-len-b 200)" % SUGGESTED_BOUND)
     p.add_argument("--no-paper", action="store_true", help="leave out the paper's column")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="a heading (### TITLE) above the table")
     p.add_argument("--out", help="also write the markdown table here")
     p.add_argument("--json", help="also write every number here")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
 
     todo = []
@@ -270,18 +396,38 @@ def main(argv=None):
     if not todo:
         p.error("no checkpoints: give --runs (with RUNS/<method>/seed<k>/%s) or --checkpoint" % a.checkpoint_name)
 
-    def one(job):
-        method, seed, path = job
+    if not os.path.isdir(a.data):
+        p.error("data: no such directory: %s" % a.data)
+    try:
+        extra = shlex.split(a.generate_args)
+    except ValueError as e:
+        p.error("--generate-args: %s" % e)
+    for flag, value in (("--beam", a.beam), ("--batch-size", a.batch_size), ("--jobs", a.jobs)):
+        if value < 1:
+            p.error("%s must be >= 1, got %d" % (flag, value))
+    for method, seed, path in todo:
+        if not os.path.exists(path):
+            p.error("checkpoint of %s seed %d not found: %s" % (method, seed, path))
+    start = time.time()
+    lock = threading.Lock()
+
+    def say(msg):
+        with lock:
+            print("[%5.0f s] %s" % (time.time() - start, msg), flush=True)
+
+    def one(numbered):
+        k, (method, seed, path) = numbered
+        name = "%s seed %d (checkpoint %d/%d)" % (method, seed, k, len(todo))
         r = evaluate_checkpoint(a.data, path, subset=a.subset, beam=a.beam, batch_size=a.batch_size,
                                 user_dir=a.user_dir, cpu=a.cpu, lang=a.lang, ref_file=a.ref_file,
-                                extra=shlex.split(a.generate_args))
+                                extra=extra, name=name, progress=say)
         r.update(method=method, seed=seed)
-        print("%s seed %d: fairseq BLEU %.2f, sacreBLEU %.2f (%d sentences) %s"
-              % (method, seed, r["fairseq_bleu"], r["sacrebleu"], r["n"], path), flush=True)
+        say("%s seed %d: fairseq BLEU %.2f, sacreBLEU %.2f (%d sentences, %.0f s) %s"
+            % (method, seed, r["fairseq_bleu"], r["sacrebleu"], r["n"], r["seconds"], path))
         return r
 
     with ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        results = list(pool.map(one, todo))
+        results = list(pool.map(one, enumerate(todo, 1)))
     table = markdown_table(results, paper_column=not a.no_paper, title=a.title)
     note = ("\nfairseq BLEU: tokenized BLEU4 from fairseq-generate --beam %d --remove-bpe; sacreBLEU: %s on "
             "Moses-detokenized text.\n" % (a.beam, results[0]["sacrebleu_signature"]))

@@ -24,10 +24,10 @@ every fairseq-train command unchanged.
 
 Usage::
 
-    python scripts/iwslt14_recipe.py --dry-run                      # print the commands
-    python scripts/iwslt14_recipe.py --seeds 1 2 3                  # run them one after another
-    python scripts/iwslt14_recipe.py --methods adamw vasso0.4 --seeds 1 -- --fp16
-    python scripts/eval_bleu.py data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14
+    python scripts/translation/iwslt14_recipe.py --dry-run          # print the commands
+    python scripts/translation/iwslt14_recipe.py --seeds 1 2 3      # run them one after another
+    python scripts/translation/iwslt14_recipe.py --methods adamw vasso0.4 --seeds 1 -- --fp16
+    vasso-bleu data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14
 """
 
 import argparse
@@ -35,46 +35,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nmt_common  # noqa: E402
-from nmt_common import METHODS  # noqa: E402
-
-PAPER_SETTINGS = [
-    "--task", "translation",
-    "--arch", "transformer_iwslt_de_en", "--share-decoder-input-output-embed",
-    "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
-    "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
-    "--weight-decay", "0.0001", "--dropout", "0.3",
-    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-    "--max-tokens", "4096",
-]
-EVAL_BLEU = [
-    "--eval-bleu", "--eval-bleu-args", '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}',
-    "--eval-bleu-detok", "moses", "--eval-bleu-remove-bpe",
-    "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
-]
-
-
-def run_dir(runs, method, seed):
-    return os.path.join(runs, method, "seed%d" % seed)
-
-
-def train_command(data, method, seed, save_dir, *, rho=nmt_common.PAPER_RHO, max_epoch=50,
-                  max_update=None, user_dir=None, eval_bleu=False, extra=(), settings=PAPER_SETTINGS):
-    """The fairseq-train command line (a list) for one run."""
-    cmd = [nmt_common.fairseq_bin("fairseq-train"), data, "--user-dir", user_dir or nmt_common.default_user_dir()]
-    cmd += list(settings)
-    cmd += nmt_common.method_flags(method, rho)
-    cmd += ["--seed", str(seed), "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "simple"]
-    if max_epoch:
-        cmd += ["--max-epoch", str(max_epoch)]
-    if max_update:
-        cmd += ["--max-update", str(max_update)]
-    if eval_bleu:
-        cmd += EVAL_BLEU
-    cmd += list(extra)
-    return cmd
-
+from fairseq_vasso import nmt
+from fairseq_vasso.nmt import METHODS, run_dir, train_command
 
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -85,11 +47,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 epilog="Arguments after -- go to every fairseq-train command.")
-    p.add_argument("--data", default="data-bin/iwslt14.tokenized.de-en", help="binarized data (iwslt14_prepare.py)")
+    p.add_argument("--data", default="data-bin/iwslt14.tokenized.de-en", help="binarized data (scripts/translation/iwslt14_prepare.py)")
     p.add_argument("--runs", default="runs/iwslt14", help="save dirs are RUNS/<method>/seed<k>/")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    p.add_argument("--rho", type=float, default=nmt_common.PAPER_RHO, help="rho of every sharpness-aware row")
+    p.add_argument("--rho", type=float, default=nmt.PAPER_RHO, help="rho of every sharpness-aware row")
     p.add_argument("--max-epoch", type=int, default=50, help="fairseq-train --max-epoch (0: no limit)")
     p.add_argument("--max-update", type=int, default=None, help="fairseq-train --max-update")
     p.add_argument("--user-dir", default=None, help="fairseq_vasso folder (default: the repository's or installed one)")
@@ -113,26 +75,26 @@ def main(argv=None):
     if a.dry_run:
         for method, seed, save_dir, cmd in jobs:
             print("# %s, seed %d -> %s" % (METHODS[method].label, seed, save_dir))
-            print(nmt_common.shell_join(cmd) + " > " + os.path.join(save_dir, "train.log") + " 2>&1")
+            print(nmt.shell_join(cmd) + " > " + os.path.join(save_dir, "train.log") + " 2>&1")
         return 0
     failed = []
     for method, seed, save_dir, cmd in jobs:
         log = os.path.join(save_dir, "train.log")
-        if a.skip_existing and nmt_common.train_finished(log):
+        if a.skip_existing and nmt.train_finished(log):
             print("skip %s seed %d: %s says done training" % (method, seed, log), flush=True)
             continue
         start = time.time()
         print("train %s seed %d -> %s" % (method, seed, save_dir), flush=True)
-        rc = nmt_common.run_logged(cmd, log)
-        ok, note = nmt_common.judge_train(rc, log)
+        rc = nmt.run_logged(cmd, log)
+        ok, note = nmt.judge_train(rc, log)
         print("  %s (%.0f s)" % (note, time.time() - start), flush=True)
         if not ok:
-            print(nmt_common.tail(log), file=sys.stderr)
+            print(nmt.tail(log), file=sys.stderr)
             failed.append((method, seed))
     if failed:
         print("failed runs: %s" % ", ".join("%s/seed%d" % f for f in failed), file=sys.stderr)
         return 1
-    print("next: python %s %s --runs %s" % (os.path.join(os.path.dirname(__file__), "eval_bleu.py"), a.data, a.runs))
+    print("next: vasso-bleu %s --runs %s" % (a.data, a.runs))
     return 0
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Plot what the sharpness-aware optimizers log: the stability of the adversary and the perturbed-loss gap.
 
 Reads any mix of
@@ -18,8 +17,9 @@ on the same axes (the paper's Fig. 4: VASSO's adversary moves less than SAM's) a
 the perturbed-loss gap.  Runs are labelled from what the log says (optimizer, theta,
 perturb probability, rho), or ``label=path`` on the command line::
 
-    python scripts/plot_diagnostics.py runs/sam/train.log runs/vasso/train.log -o diagnostics.png
-    python scripts/plot_diagnostics.py SAM=sweep/a/results.jsonl VASSO=sweep/b/results.jsonl -o db.png
+    vasso-plot runs/sam/train.log runs/vasso/train.log -o diagnostics.png
+    vasso-plot SAM=sweep/a/results.jsonl VASSO=sweep/b/results.jsonl -o db.png
+    python -m plugins.plot ...          # the same without the console script
 
 It also prints a small table (median stability and loss gap per run).  Matplotlib
 with the Agg backend: no display needed.
@@ -262,15 +262,24 @@ PANELS = (
 )
 
 
+def pyplot():
+    """matplotlib.pyplot with the Agg backend (no display), imported only when a plot is drawn."""
+    # a host that logs at DEBUG (fairseq, the demo) would print every font matplotlib scores
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plotting needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_runs(runs: Sequence[Run], out: str, *, smooth: int = 1, title: Optional[str] = None,
               logy: bool = False, dpi: int = 130) -> Dict[str, Dict[str, Tuple[List[float], List[float]]]]:
     """Write the two-panel PNG; returns {panel key: {run label: (x, y)}} exactly as drawn."""
-    # a host that logs at DEBUG (fairseq, the demo) would print every font matplotlib scores
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     drawn: Dict[str, Dict[str, Tuple[List[float], List[float]]]] = {k: {} for k, _, _ in PANELS}
     fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 4.4))
@@ -333,15 +342,21 @@ def summary(runs: Sequence[Run]) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="vasso-plot", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="fairseq log, DomainBed results.jsonl (or its folder); label=path to name it")
     ap.add_argument("-o", "--out", default="diagnostics.png", help="PNG to write (default diagnostics.png)")
     ap.add_argument("--smooth", type=int, default=1, help="moving average over this many points")
     ap.add_argument("--logy", action="store_true", help="log scale for the stability panel")
-    ap.add_argument("--title")
-    ap.add_argument("--dpi", type=int, default=130)
+    ap.add_argument("--title", help="the figure's title")
+    ap.add_argument("--dpi", type=int, default=130, help="resolution of the PNG (default 130)")
     args = ap.parse_args(argv)
+    for spec in args.runs:
+        path = spec if os.path.exists(spec) or "=" not in spec else spec.split("=", 1)[1]
+        if not os.path.exists(path):
+            ap.error(f"runs: no such file or folder: {path}")
+    if args.smooth < 1:
+        ap.error(f"--smooth must be >= 1, got {args.smooth}")
     runs = [load_run(s) for s in args.runs]
     seen: Dict[str, int] = {}
     for r in runs:  # several seeds of one method: keep the labels apart

@@ -1,9 +1,11 @@
-"""Shared by the IWSLT-14 recipe, the BLEU evaluation and the demo.
+"""The paper's NMT rows and fairseq's console scripts, for the IWSLT-14 recipe,
+``vasso-bleu`` (:mod:`fairseq_vasso.bleu`), the demo and the benchmark.
 
 * ``METHODS``: the rows of the paper's table ``tab.nmt`` and the fairseq
   optimizer flags that select each (``--optimizer adam`` is fairseq's AdamW:
   decoupled weight decay), with the paper's test BLEU;
 * where the fairseq console scripts and the ``fairseq_vasso`` user-dir are;
+* ``train_command``: the recipe's fairseq-train command line for one row and seed;
 * ``run_logged``: run a fairseq command with its output in a log file, and judge
   a ``fairseq-train`` run by its log: with some torch/fairseq builds the process
   aborts at exit (rc 134, "terminate called without an active exception") after
@@ -15,8 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 Method = collections.namedtuple("Method", "name label paper_bleu flags")
 
@@ -45,6 +45,47 @@ def method_flags(name, rho=PAPER_RHO):
     return [f.format(rho=rho) for f in METHODS[name].flags]
 
 
+# The paper's settings (Sec. 5, "Neural machine translation") on top of fairseq's
+# IWSLT-14 transformer example; rows differ only in their METHODS flags.
+PAPER_SETTINGS = [
+    "--task", "translation",
+    "--arch", "transformer_iwslt_de_en", "--share-decoder-input-output-embed",
+    "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+    "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
+    "--weight-decay", "0.0001", "--dropout", "0.3",
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--max-tokens", "4096",
+]
+# fairseq README's variant: checkpoint chosen by validation BLEU (beam 5, moses detokenization)
+EVAL_BLEU = [
+    "--eval-bleu", "--eval-bleu-args", '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}',
+    "--eval-bleu-detok", "moses", "--eval-bleu-remove-bpe",
+    "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+]
+
+
+def run_dir(runs, method, seed):
+    """The recipe's save dir of one run: RUNS/<method>/seed<k>."""
+    return os.path.join(runs, method, "seed%d" % seed)
+
+
+def train_command(data, method, seed, save_dir, *, rho=PAPER_RHO, max_epoch=50,
+                  max_update=None, user_dir=None, eval_bleu=False, extra=(), settings=PAPER_SETTINGS):
+    """The fairseq-train command line (a list) for one run."""
+    cmd = [fairseq_bin("fairseq-train"), data, "--user-dir", user_dir or default_user_dir()]
+    cmd += list(settings)
+    cmd += method_flags(method, rho)
+    cmd += ["--seed", str(seed), "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "simple"]
+    if max_epoch:
+        cmd += ["--max-epoch", str(max_epoch)]
+    if max_update:
+        cmd += ["--max-update", str(max_update)]
+    if eval_bleu:
+        cmd += EVAL_BLEU
+    cmd += list(extra)
+    return cmd
+
+
 def fairseq_bin(name):
     """The fairseq console script next to this Python (a venv's bin/), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), name)
@@ -57,19 +98,8 @@ def fairseq_bin(name):
 
 
 def default_user_dir():
-    """The fairseq_vasso user-dir: the repository's folder, else the installed package's."""
-    here = os.path.join(REPO, "fairseq_vasso")
-    if os.path.exists(os.path.join(here, "__init__.py")):
-        return here
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("fairseq_vasso")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin:
-        raise SystemExit("fairseq_vasso not found: run from the repository or pip-install it, or pass --user-dir")
-    return os.path.dirname(spec.origin)
+    """The folder to pass to ``--user-dir``: this package's own."""
+    return os.path.dirname(os.path.abspath(__file__))
 
 
 def shell_join(cmd):
@@ -78,13 +108,23 @@ def shell_join(cmd):
     return " ".join(shlex.quote(c) for c in cmd)
 
 
-def run_logged(cmd, log_path, env=None, cwd=None):
-    """Runs cmd with stdout+stderr in log_path; returns the exit status."""
+def run_logged(cmd, log_path, env=None, cwd=None, on_line=None):
+    """Runs cmd with stdout+stderr in log_path; returns the exit status.
+
+    ``on_line(line)``, when given, sees every output line as it comes (for progress)."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("+ " + shell_join(cmd) + "\n")
         log.flush()
-        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
+        if on_line is None:
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                              text=True, encoding="utf-8", errors="replace") as proc:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                on_line(line)
+            return proc.wait()
 
 
 def train_finished(log_path):

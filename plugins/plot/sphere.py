@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The paper's three-dimensional illustration (Fig. 3, Appendix A.2): adversaries on the sphere.
 
 A true gradient ``grad f = [0.2, -0.1, 0.6]`` plus Gaussian noise ``xi`` gives the
@@ -15,7 +14,7 @@ SNR"): the coordinates' noise variances are in the ratio 0.2 : 1 : 2, and one
 common factor ``c`` sets the SNR, defined as ``||grad f||^2 / E||xi||^2``, so
 ``Var(xi_i) = c * (0.2, 1, 2)_i`` with ``c = ||grad f||^2 / (3.2 * SNR)``.
 
-    python scripts/adversary_sphere.py -o adversaries.png [--theta 0.4 --seed 0]
+    python -m plugins.plot.sphere -o adversaries.png [--theta 0.4 --seed 0]
 
 Each panel's title gives the mean angle between ``eps_t`` and ``grad f`` and the
 mean ``||eps_t - eps_{t-1}||`` (the paper's stability measure, rho = 1); the same
@@ -25,12 +24,13 @@ numbers are printed as a table.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Dict, List, Sequence
 
 import numpy as np
+
+from .diagnostics import pyplot
 
 GRAD = (0.2, -0.1, 0.6)
 NOISE_SHAPE = (0.2, 1.0, 2.0)
@@ -68,12 +68,7 @@ def spread(eps: np.ndarray, grad: Sequence[float] = GRAD) -> Dict[str, float]:
 
 def plot(out: str, *, snrs: Sequence[float] = SNRS, n: int = 100, theta: float = 0.4, burn_in: int = 20,
          seed: int = 0, dpi: int = 130) -> List[Dict[str, float]]:
-    # a host that logs at DEBUG (fairseq, the demo) would print every font matplotlib scores
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = []
     fig = plt.figure(figsize=(3.3 * len(snrs), 7.0))
