@@ -41,7 +41,10 @@ else
 fi
 py="$VENV/bin/python"
 [ -x "$py" ] || "${PYTHON:-python3}" -m venv "$VENV"
-pipq() { "$py" -m pip install -q --disable-pip-version-check --progress-bar off "$@"; }
+pipq() {  # pip -q, minus the "Location ... is ignored" lines some pip configurations print
+    "$py" -m pip install -q --disable-pip-version-check --progress-bar off "$@" \
+        2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
+}
 
 say "installing torch $TORCH, torchvision $VISION, numpy<2 into $VENV (the registry's CUDA builds: a few minutes)"
 pipq "torch==$TORCH" "torchvision==$VISION" "numpy<2"
