@@ -87,6 +87,8 @@ def register(*, apply_environment=True):
         registry._hparams = _hparams
 
     digits_dataset.register(datasets)
+    from .slurm import register_launcher  # --command_launcher slurm (submitit)
+    register_launcher()
 
     if apply_environment:
         _locate.apply_num_workers(datasets)

@@ -6,8 +6,9 @@ through the sharpness-aware wrapper of :mod:`plugins`:
 
 1. forward/backward on the concatenated minibatches: ``g_t``;
 2. ``perturb()``: move to ``x_t + eps_t`` (unless the eSAM/eVASSO coin skips);
-3. second forward/backward on the same batch from the same RNG state (the same
-   dropout masks) with BatchNorm running statistics frozen: ``h_t``;
+3. second forward/backward on the same batch inside the core's ``second_pass()``:
+   the same RNG state (the same dropout masks), BatchNorm running statistics
+   frozen, the step abandoned on an exception: ``h_t``;
 4. ``descend()``: back to ``x_t``, Adam steps with ``h_t`` (GSAM-corrected).
 
 With ``rho = 0`` each reproduces ERM step for step. The module imports without
@@ -33,8 +34,7 @@ import torch.nn.functional as F
 
 from plugins import SAM as _SAMOptimizer
 from plugins import VASSO as _VASSOOptimizer
-from plugins import frozen_running_stats
-from plugins.perturbation import rng_state, set_rng_state
+from plugins.perturbation import rng_state
 
 from . import hparams as _hp
 
@@ -104,24 +104,18 @@ class SharpnessAwareERM(nn.Module):
         self.optimizer.zero_grad()
         loss = self._loss(all_x, all_y)
         loss.backward()
-        out = {"loss": loss.item(), "rho": float(self.optimizer.rho)}
+        out = {"loss": loss.item()}
 
         second = None
-        try:
-            if self.optimizer.perturb():
-                self.optimizer.zero_grad()
-                set_rng_state(rng)
-                self.optimizer.in_second_pass = True
-                with frozen_running_stats(self.network):
-                    second = self._loss(all_x, all_y)
+        if self.optimizer.perturb():
+            self.optimizer.zero_grad()
+            with self.optimizer.second_pass(self.network, rng):
+                second = self._loss(all_x, all_y)
                 second.backward()
-                self.optimizer.in_second_pass = False
-        except BaseException:
-            self.optimizer.abandon()
-            raise
         self.optimizer.descend()
 
         diag = self.optimizer.diagnostics
+        out["rho"] = float(diag["rho"])
         out["two_pass"] = float(diag["two_pass"])
         if diag.get("nonfinite", 0.0):
             out["nonfinite"] = 1.0
@@ -146,8 +140,8 @@ class SAM(SharpnessAwareERM):
 
 class GSAM(SharpnessAwareERM):
     """GSAM (Zhuang et al., 2022): SAM's ascent, descent ``h - gsam_alpha * g_perp``;
-    constant rho (GSAM's rho schedule tied to the learning rate is not used: DomainBed's
-    learning rate is constant)."""
+    constant rho. (GSAM's rho schedule follows the learning rate, and DomainBed's is
+    constant: the schedule would hold rho at rho_max throughout, so it is not exposed.)"""
     CORE = _SAMOptimizer
     KNOBS = ("rho", "gsam_alpha", "p", "adaptive", "eta")
 

@@ -7,6 +7,12 @@ unmodified and with exactly its flags, whose children run
         --datasets PACS VLCS OfficeHome TerraIncognita \\
         --algorithms ERM SAM GSAM VASSO --command_launcher multi_gpu
 
+    python -m domainbed_vasso.sweep launch ... --command_launcher slurm   # Slurm job array
+    python -m domainbed_vasso.sweep status --output_dir sweep/           # its jobs' states
+
+``--command_launcher slurm`` and ``status`` are :mod:`domainbed_vasso.slurm`; with it,
+``delete_incomplete`` keeps the folders of jobs Slurm still queues or runs.
+
 How: stock DomainBed builds each job's command as the string
 ``python -m domainbed.scripts.train --...`` inside ``Job.__init__`` of the
 ``__main__`` module, then hands the list to a launcher of
@@ -16,12 +22,14 @@ children inherit a PYTHONPATH that finds this package and DomainBed, and the
 ``DOMAINBED_VASSO_*`` variables.
 """
 
+import contextlib
 import os
 import shlex
 import sys
 
 from . import _cli
 from . import hparams as _hp
+from . import slurm as _slurm
 
 STOCK_PREFIX = "python -m domainbed.scripts.train"
 
@@ -29,6 +37,8 @@ _FLAGS = {
     "--datasets": dict(nargs="+", type=str, default=None),
     "--algorithms": dict(nargs="+", type=str, default=None),
     "--hparams": dict(type=str, default=None),
+    "--output_dir": dict(type=str, default=None),
+    "--command_launcher": dict(type=str, default=None),
 }
 
 
@@ -69,10 +79,13 @@ def patch_launchers():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"]:
+        raise SystemExit(_slurm.status_main(argv[1:]))
     _cli.register_or_exit()
     from ._locate import child_pythonpath
     os.environ["PYTHONPATH"] = child_pythonpath()
     patch_launchers()
+    guard = contextlib.nullcontext()
     if not any(a in ("-h", "--help") for a in argv):
         args = _cli.known_args(argv, _FLAGS)
         if args is not None and args.algorithms:
@@ -83,7 +96,20 @@ def main(argv=None):
                         _cli.check_hparams(algorithm, dataset, overrides)
             except _hp.HParamError as exc:
                 _cli.fail(str(exc))
-    _cli.run_domainbed_script("domainbed.scripts.sweep", "domainbed_vasso.sweep", argv)
+        command = next((a for a in argv if a in ("launch", "delete_incomplete")), None)
+        try:
+            if args is not None and command == "launch" and args.command_launcher == "slurm":
+                _slurm.preflight()  # before DomainBed makes the job folders
+            elif args is not None and command == "delete_incomplete" and args.output_dir:
+                # DomainBed takes a queued or running job for an incomplete one
+                guard = _slurm.keep_active_folders(args.output_dir)
+        except _slurm.SlurmLauncherError as exc:
+            _cli.fail(str(exc))
+    try:
+        with guard:
+            _cli.run_domainbed_script("domainbed.scripts.sweep", "domainbed_vasso.sweep", argv)
+    except _slurm.SlurmLauncherError as exc:
+        _cli.fail(str(exc))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 Importing this package (fairseq does it for ``--user-dir``):
 
 * registers the optimizers ``sam`` and ``vasso`` (:mod:`fairseq_vasso.optimizer`), an
-  AdamW base with fairseq's ``adam`` flags, the math coming from ``plugins/``;
+  AdamW base with fairseq's ``adam`` flags, the math coming from ``plugins/``, and
+  checks their flags as soon as fairseq has parsed the command line (one line,
+  exit code 2, before the task, model or data are built);
 * hooks :class:`fairseq.trainer.Trainer` (:mod:`fairseq_vasso.trainer_hooks`) so that
   a training step with one of these optimizers runs the second forward/backward pass;
   with any other optimizer the hooks call fairseq's own code and nothing else;
@@ -30,5 +32,6 @@ from . import trainer_hooks  # noqa: E402,F401  (second pass in Trainer.train_st
 from ._help import add_flags_to_help as _add_flags_to_help  # noqa: E402
 
 _add_flags_to_help({"sam": optimizer.FairseqSAMConfig, "vasso": optimizer.FairseqVASSOConfig})
+optimizer.check_command_line()
 
 __all__ = ["optimizer", "trainer_hooks"]

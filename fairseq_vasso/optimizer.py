@@ -16,10 +16,10 @@ pass, ``descend`` in :meth:`step`).
 """
 
 
-import math
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Optional
 
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
@@ -27,6 +27,7 @@ from fairseq.optim.adam import Adam as _FairseqAdam
 from omegaconf import II, OmegaConf
 
 from plugins import SAM, VASSO
+from plugins.validation import Range, check
 
 __all__ = [
     "FairseqSAMConfig",
@@ -35,6 +36,7 @@ __all__ = [
     "FairseqSAM",
     "FairseqVASSO",
     "check_flags",
+    "FLAGS",
 ]
 
 
@@ -72,9 +74,16 @@ class FairseqSAMConfig(FairseqDataclass):
         metadata={"help": "probability of the second (perturbed) pass per update, in [0, 1]; "
                           "< 1 gives eSAM / eVASSO (the coin is a function of --seed and the step; default 1)"},
     )
+    rho_min: Optional[float] = field(
+        default=None,
+        metadata={"help": "GSAM's rho schedule (Zhuang et al. 2022): rho follows the learning rate, "
+                          "rho_t = rho_min + (rho - rho_min) * lr_t / lr, from rho_min at lr 0 to --rho at "
+                          "the peak --lr; in [0, --rho] (default: off, constant --rho)"},
+    )
     # no help text: these are read from fairseq's own flags, not added as new ones
     seed: int = II("common.seed")
     lr: List[float] = II("optimization.lr")
+    fp16: bool = II("common.fp16")
 
 
 @dataclass
@@ -93,28 +102,66 @@ def _get(cfg, name, default=None):
         return default
 
 
-def _check_range(flag, value, low, high, *, low_open=False, high_open=False):
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{flag} must be a number in {interval}, got {value!r}") from None
-    if (math.isnan(v) or v < low or v > high or (low_open and v == low)
-            or (high_open and v == high)):
-        raise ValueError(f"{flag} must be in {interval}, got {value!r}")
-    return v
+#: This host's flag table: config field (the flag is ``--field-name``) -> the core's knob.
+#: plugins.validation holds each knob's range; the core gets ``{knob: value}``.
+FLAGS = {
+    "rho": "rho",
+    "rho_min": "rho_min",
+    "theta": "theta",  # vasso only
+    "adaptive": "adaptive",
+    "adaptive_eta": "eta",
+    "gsam_alpha": "gsam_alpha",
+    "perturb_prob": "p",
+}
+#: The base Adam's flags that this optimizer adds (fairseq's adam checks none of them).
+BASE_FLAGS = {"adam_eps": "adam_eps", "weight_decay": "weight_decay"}
 
 
-def check_flags(cfg) -> None:
-    """ValueError naming the flag and its range for a bad optimizer flag."""
-    _check_range("--rho", _get(cfg, "rho"), 0.0, math.inf, high_open=True)
-    if _get(cfg, "theta") is not None:
-        _check_range("--theta", _get(cfg, "theta"), 0.0, 1.0, low_open=True)
-    _check_range("--adaptive-eta", _get(cfg, "adaptive_eta", 0.01), 0.0, math.inf, high_open=True)
-    _check_range("--gsam-alpha", _get(cfg, "gsam_alpha", 0.0), 0.0, math.inf, high_open=True)
-    _check_range("--perturb-prob", _get(cfg, "perturb_prob", 1.0), 0.0, 1.0)
-    _check_range("--adam-eps", _get(cfg, "adam_eps", 1e-8), 0.0, math.inf, high_open=True)
-    _check_range("--weight-decay", _get(cfg, "weight_decay", 0.0), 0.0, math.inf, high_open=True)
+def flag(field_name: str) -> str:
+    """``rho_min`` -> ``--rho-min``, as fairseq spells a dataclass field on the command line."""
+    return "--" + field_name.replace("_", "-")
+
+
+def check_flags(cfg) -> dict:
+    """The core's keyword arguments from the optimizer config; ValueError naming the
+    flag and its range for a bad value."""
+    knobs = {}
+    for field_name, knob in {**FLAGS, **BASE_FLAGS}.items():
+        if not hasattr(cfg, field_name):
+            continue
+        value = check(knob, _get(cfg, field_name), name=flag(field_name), parse=True)
+        if field_name in FLAGS:
+            knobs[knob] = value
+    if knobs.get("rho_min") is not None:
+        check("rho_min", knobs["rho_min"], name="--rho-min", within=Range(0.0, knobs["rho"], "[]"))
+    return knobs
+
+
+def check_command_line() -> None:
+    """Check our flags right after fairseq parses the command line, before it builds the
+    task, model or data: wraps ``fairseq.options.parse_args_and_arch`` (which
+    fairseq-train calls after importing --user-dir) so that a bad value ends the run
+    with one line naming the flag and its range, as argparse reports fairseq's own
+    ill-typed flags but without its long usage text.  Other optimizers: untouched."""
+    from fairseq import options
+
+    stock = options.parse_args_and_arch
+    if getattr(stock, "_fairseq_vasso_checks", False):
+        return
+
+    @functools.wraps(stock)
+    def parse_args_and_arch(parser, *args, **kwargs):
+        out = stock(parser, *args, **kwargs)
+        parsed = out[0] if isinstance(out, tuple) else out
+        if getattr(parsed, "optimizer", None) in ("sam", "vasso"):
+            try:
+                check_flags(parsed)
+            except ValueError as exc:
+                parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        return out
+
+    parse_args_and_arch._fairseq_vasso_checks = True
+    options.parse_args_and_arch = parse_args_and_arch
 
 
 class FairseqSharpnessAware(FairseqOptimizer):
@@ -136,16 +183,15 @@ class FairseqSharpnessAware(FairseqOptimizer):
 
     def __init__(self, cfg, params):
         super().__init__(cfg)
-        check_flags(cfg)
-        self._optimizer = self.core_class(params, _FairseqAdam, **self._core_kwargs(), **self.optimizer_config)
-        self._in_flight = False  # perturb() called, descend()/abandon() not yet
+        knobs = check_flags(cfg)  # the same checks again for configs that bypass argparse (hydra)
+        lr = self.optimizer_config["lr"]
+        # --fp16: these are fp32 master copies; restore them from a copy, bit for bit (the
+        # plain-geometry restore subtracts the ascent again, exact only up to one rounding)
+        exact = bool(_get(cfg, "fp16", False))
+        self._optimizer = self.core_class(params, _FairseqAdam, seed=int(self.cfg.seed), lr_max=lr if lr > 0 else None,
+                                          exact_restore=exact, **knobs, **self.optimizer_config)
         self.last_step_taken = False
         self.last_diagnostics = {}
-
-    def _core_kwargs(self):
-        return dict(rho=float(self.cfg.rho), adaptive=bool(self.cfg.adaptive),
-                    eta=float(self.cfg.adaptive_eta), gsam_alpha=float(self.cfg.gsam_alpha),
-                    p=float(self.cfg.perturb_prob), seed=int(self.cfg.seed))
 
     @property
     def optimizer_config(self):
@@ -164,49 +210,37 @@ class FairseqSharpnessAware(FairseqOptimizer):
 
     @property
     def in_flight(self) -> bool:
-        return self._in_flight
+        """The core's: between ``perturb()`` and ``step()`` / ``abandon()``."""
+        return self._optimizer.in_flight
 
-    def perturb(self, exact_restore: bool = False) -> bool:
-        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``).
-
-        ``exact_restore``: keep a copy of x_t and restore from it, bit for bit (used
-        under ``--fp16``, where these parameters are the fp32 master copies; the
-        core's plain-geometry restore of fp32 tensors subtracts the ascent it added,
-        which is exact only up to one rounding).
-        """
+    def perturb(self) -> bool:
+        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``)."""
         self.last_step_taken = False
-        self._in_flight = True
-        self._optimizer.exact_restore = bool(exact_restore)
-        try:
-            return self._optimizer.perturb()
-        except BaseException:
-            self.abandon()
-            raise
+        return self._optimizer.perturb()
+
+    def second_pass(self, model, rng):
+        """The core's second-pass protocol (``plugins.SharpnessAware.second_pass``)."""
+        return self._optimizer.second_pass(model, rng)
 
     def restore(self) -> None:
         """Put x_t back (idempotent)."""
         self._optimizer.restore()
 
     def abandon(self) -> None:
-        """Restore x_t and drop the step in flight (the host skipped the update)."""
-        if self._in_flight:
-            self.restore()
-            self._optimizer.abandon()
-        self._in_flight = False
+        """Restore x_t and drop the step in flight (the host skipped the update); idempotent."""
+        self._optimizer.abandon()
 
     def step(self, closure=None, scale=1.0, groups=None):
         """Restore x_t and let the base Adam step with the gradient in ``.grad``."""
         if closure is not None:
             raise RuntimeError("fairseq's sam/vasso optimizers take no closure: the second pass is run by "
                                "fairseq_vasso.trainer_hooks inside Trainer.train_step")
-        if not self._in_flight:
+        if not self.in_flight:
             raise RuntimeError(
                 f"{type(self).__name__}.step() without a first pass: the sam/vasso optimizers only work through "
                 "fairseq's Trainer.train_step with the fairseq_vasso user-dir imported (--user-dir)")
         if scale != 1.0:
             self.multiply_grads(1.0 / scale)
-        self._in_flight = False
-        self.restore()  # exact under --fp16; descend()'s own restore is then a no-op
         self.last_step_taken = self._optimizer.descend()
         self.last_diagnostics = dict(self._optimizer.diagnostics)
 
@@ -262,8 +296,3 @@ class FairseqVASSO(FairseqSharpnessAware):
     adaptive VASSO."""
 
     core_class = VASSO
-
-    def _core_kwargs(self):
-        kw = super()._core_kwargs()
-        kw["theta"] = float(self.cfg.theta)
-        return kw

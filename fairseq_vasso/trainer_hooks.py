@@ -29,12 +29,13 @@ three methods of :class:`fairseq.trainer.Trainer`:
        ``(--seed, step)``.  If it says "one pass", ``.grad`` still holds g_t and
        fairseq continues as usual (clip, step with g_t).
      - else the parameters now sit at x_t + eps_t (fp16: the fp32 master copies,
-       copied into the fp16 model), the gradients are cleared, the RNG state of the
-       first pass is replayed and every recorded micro-batch runs forward/backward
-       again (``no_sync`` for all but the last, as fairseq does; BatchNorm running
-       statistics frozen), then fairseq's all-reduce and the same scaling factor
-       are applied: ``.grad`` holds h_t, exactly as fairseq would have left the
-       first pass's gradient.
+       copied into the fp16 model), the gradients are cleared and, inside the core's
+       ``second_pass(model, rng)`` (the RNG state of the first pass replayed,
+       BatchNorm running statistics frozen, the step abandoned on an exception),
+       every recorded micro-batch runs forward/backward again (``no_sync`` for all
+       but the last, as fairseq does); then fairseq's all-reduce and the same
+       scaling factor are applied: ``.grad`` holds h_t, exactly as fairseq would
+       have left the first pass's gradient.
 
   fairseq's own code then clips h_t (``--clip-norm``), checks it (fp16 overflow:
   the loss scale falls and the update is skipped; we put x_t back), and calls
@@ -63,8 +64,7 @@ from fairseq import utils
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
-from plugins import frozen_running_stats
-from plugins.perturbation import global_norm, rng_state, set_rng_state
+from plugins.perturbation import global_norm, rng_state
 
 from .optimizer import FairseqSharpnessAware, check_flags
 
@@ -160,6 +160,7 @@ class _StepContext:
         self.first_losses = []  # float loss per micro-batch (None for dummy batches)
         self.rng = None
         self.multiplied = False
+        self.perturbed = False  # perturb() moved the parameters this update
         self.loss_gap = float("nan")
 
 
@@ -217,8 +218,9 @@ def _two_pass_train_step(trainer, sa, samples, raise_oom):
             opt.multiply_grads = stock_multiply
         else:
             del opt.multiply_grads
-        if sa.in_flight:
+        if ctx.perturbed and not sa.last_step_taken:
             # the update was skipped (fp16 overflow on the second pass) or failed: back to x_t
+            # (the core may have done so already; abandon() is idempotent), also in the fp16 model
             sa.abandon()
             fp16 = _fp16_wrapper(trainer)
             if fp16 is not None:
@@ -247,26 +249,21 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
     if not _grads_finite(params):
         # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
         return
-    # fp16: restore the fp32 masters from a copy (adaptive geometry: the core keeps one already)
-    if not sa.perturb(exact_restore=fp16 is not None and not sa.optimizer.adaptive):
+    if not sa.perturb():
         return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
+    ctx.perturbed = True
     if fp16 is not None:
         fp16._sync_fp32_params_to_fp16()
     trainer.zero_grad()
-    set_rng_state(ctx.rng)
     second_losses = []
     n = len(ctx.calls)
-    core = sa.optimizer
-    core.in_second_pass = True
-    try:
-        with frozen_running_stats(trainer.model):
-            for i, (args, kwargs) in enumerate(ctx.calls):
-                with _maybe_no_sync(trainer, i, n):
-                    loss, _, logging_output = stock_task_step(*args, **kwargs)
-                    del loss
-                second_losses.append(_loss_value(logging_output))
-    finally:
-        core.in_second_pass = False
+    # the core's protocol: RNG of the first pass replayed, BatchNorm frozen, abandon() on an exception
+    with sa.second_pass(trainer.model, ctx.rng):
+        for i, (args, kwargs) in enumerate(ctx.calls):
+            with _maybe_no_sync(trainer, i, n):
+                loss, _, logging_output = stock_task_step(*args, **kwargs)
+                del loss
+            second_losses.append(_loss_value(logging_output))
     trainer.optimizer.all_reduce_grads(trainer.model)
     if utils.has_parameters(trainer.criterion):
         trainer.optimizer.all_reduce_grads(trainer.criterion)
@@ -308,7 +305,7 @@ def _log_diagnostics(sa, ctx):
         ok = two_pass > 0 and math.isfinite(value)
         metrics.log_scalar(key, value if ok else float("nan"), weight=1 if ok else 0, priority=810 + i, round=5)
     metrics.log_scalar("two_pass", two_pass, weight=1, priority=815, round=3)
-    metrics.log_scalar("rho", float(sa.optimizer.rho), weight=0, priority=816, round=5)
+    metrics.log_scalar("rho", float(diag.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
 
 
 _patched_init._fairseq_vasso_hook = True

@@ -1,6 +1,6 @@
 """The sharpness-aware optimizer family as one wrapper over any torch optimizer.
 
-One class, four independent choices (``DESIGN.md`` section 1):
+One class, four independent choices (``docs/design.md``, section 1):
 
 =============  ===================================  ===============================
 choice         knob                                 members
@@ -39,34 +39,24 @@ subtract; everything else restores from the ``anchor`` copy, exactly.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import numbers
+import operator
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
 from . import perturbation as P
 from .named_params import normalize_param_group, normalize_param_groups
+from .validation import Closure, Params, Range, check
 
 __all__ = ["SharpnessAware", "SAM", "VASSO"]
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 _PERSISTENT = ("slope", "previous_ascent")
 _NAN = float("nan")
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = False,
-                  high_open: bool = False) -> float:
-    """``value`` as a float within the interval, else ValueError naming ``name`` and the range."""
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number in {interval}, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if math.isnan(v) or v < low or v > high or (low_open and v == low) or (high_open and v == high):
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
-    return v
 
 
 def _as_float(x) -> float:
@@ -92,12 +82,19 @@ class SharpnessAware(torch.optim.Optimizer):
         base_optimizer: an optimizer class (built here with ``**base_kwargs``) or an
             optimizer already built over exactly these parameters.
         rho: radius of the neighbourhood, ``>= 0``; ``0`` steps exactly like the base.
+            Held in every param group (``group["rho"]``, all equal: one global norm),
+            where a scheduler may change it.
         theta: ``None`` for SAM's raw gradient, else VASSO's EMA weight in ``(0, 1]``.
         adaptive: ASAM geometry (Kwon et al. 2021), ``T = |x| + eta`` on weights.
         eta: ASAM's offset, ``>= 0``.
         gsam_alpha: GSAM's descent correction (Zhuang et al. 2022), ``>= 0``; 0 is off.
         p: probability of the second pass, in ``[0, 1]``; ``< 1`` gives eSAM/eVASSO.
         seed: seeds the coin; the same on every distributed rank.
+        rho_min: GSAM's rho schedule (``None``: constant rho): the step's rho is
+            ``rho_min + (rho - rho_min) (lr_t - lr_min) / (lr_max - lr_min)`` with
+            ``lr_t`` the first group's lr; in ``[0, rho]``.
+        lr_max: the schedule's peak lr (default: the first group's lr now).
+        lr_min: the schedule's lowest lr, ``>= 0`` (default 0).
         track_stability: compute ``||eps_t - eps_{t-1}||`` (may hold one buffer,
             see the module docstring).
         exact_restore: keep a copy of ``x_t`` during each two-pass step and restore
@@ -120,36 +117,42 @@ class SharpnessAware(torch.optim.Optimizer):
         >>> round(opt.diagnostics["ascent_norm"], 6)
         0.1
 
-    Or, for loops that own their forward and backward (fairseq, DomainBed)::
+    ``opt.step(closure, model=model)`` also keeps ``model``'s BatchNorm running
+    statistics from the first pass only.  Or, for loops that own their forward and
+    backward (fairseq, DomainBed), the host protocol (``docs/design.md``, section 3)::
 
+        >>> from plugins.perturbation import rng_state
+        >>> rng = rng_state()
         >>> opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward()
         >>> if opt.perturb():                  # g_t read from .grad; now at x_t + eps_t
         ...     opt.zero_grad()
-        ...     torch.nn.functional.cross_entropy(model(x), y).backward()   # h_t
+        ...     with opt.second_pass(model, rng):   # same RNG, BatchNorm frozen, abandon() on error
+        ...         torch.nn.functional.cross_entropy(model(x), y).backward()   # h_t
         >>> opt.descend()                      # back to x_t, base step with h_t
         True
     """
 
-    def __init__(self, params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
+    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
                  adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0,
-                 seed: int = 0, track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
+                 seed: int = 0, rho_min: Optional[float] = None, lr_max: Optional[float] = None,
+                 lr_min: float = 0.0, track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
         # (name, tensor) pairs -> "param_names" here, as torch >= 2.5 does: older torch refuses them
         params = normalize_param_groups(params)
-        self.rho = _check_number("rho", rho, 0.0, math.inf, high_open=True)
-        self.theta = None if theta is None else _check_number("theta", theta, 0.0, 1.0, low_open=True)
-        self.eta = _check_number("eta", eta, 0.0, math.inf, high_open=True)
-        self.gsam_alpha = _check_number("gsam_alpha", gsam_alpha, 0.0, math.inf, high_open=True)
-        self.p = _check_number("p", p, 0.0, 1.0)
-        if not isinstance(adaptive, bool):
-            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        self.adaptive = adaptive
-        self.seed = int(seed)
-        self.track_stability = bool(track_stability)
-        self.exact_restore = bool(exact_restore)
+        rho = check("rho", rho)
+        self.theta = None if theta is None else check("theta", theta)
+        self.adaptive = check("adaptive", adaptive)
+        self.eta = check("eta", eta)
+        self.gsam_alpha = check("gsam_alpha", gsam_alpha)
+        self.p = check("p", p)
+        self.seed = check("seed", seed)
+        self.rho_min = check("rho_min", rho_min)
+        if self.rho_min is not None:
+            check("rho_min", self.rho_min, within=Range(0.0, rho, "[]"))
+        self.lr_min = check("lr_min", lr_min)
+        self.track_stability = check("track_stability", track_stability)
+        self.exact_restore = check("exact_restore", exact_restore)
 
-        super().__init__(params, defaults={})
+        super().__init__(params, defaults={"rho": rho})
         if isinstance(base_optimizer, torch.optim.Optimizer):
             if base_kwargs:
                 raise ValueError(f"base_optimizer is already built: unexpected keyword arguments {sorted(base_kwargs)}")
@@ -159,13 +162,23 @@ class SharpnessAware(torch.optim.Optimizer):
                 raise ValueError("base_optimizer must optimize exactly the parameters given to this optimizer "
                                  f"({len(mine)} given, base has {len(theirs)}, {len(mine & theirs)} in common)")
             self.base_optimizer = base_optimizer
+            for group in base_optimizer.param_groups:
+                group.setdefault("rho", rho)
         elif isinstance(base_optimizer, type) and issubclass(base_optimizer, torch.optim.Optimizer):
             self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
         else:
             raise ValueError(f"base_optimizer must be a torch.optim.Optimizer subclass or instance, got {base_optimizer!r}")
-        # One list of groups for both objects: a scheduler on either drives the lr used.
+        # One list of groups for both objects: a scheduler on either drives the lr (and rho) used.
         self.param_groups = self.base_optimizer.param_groups
+        self.base_optimizer.defaults.setdefault("rho", rho)  # groups added later get it too
         self.defaults = self.base_optimizer.defaults
+        self._group_rho()  # groups given with their own rho must agree
+        if self.rho_min is not None:
+            self.lr_max = check("lr_max", float(self.param_groups[0]["lr"]) if lr_max is None else lr_max)
+            if self.lr_max <= self.lr_min:
+                raise ValueError(f"lr_max must be in ({self.lr_min:g}, inf) (above lr_min), got {self.lr_max!r}")
+        else:
+            self.lr_max = check("lr_max", lr_max)
 
         self.in_second_pass = False
         self.diagnostics: Dict[str, float] = self._empty_diagnostics()
@@ -174,6 +187,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._previous: Optional[Dict[str, float]] = None  # norms of the last applied ascent
         self._scratch: Dict[torch.Tensor, Dict[str, torch.Tensor]] = defaultdict(dict)
         self._pending: Optional[Dict[str, Any]] = None  # the step between perturb() and descend()
+        self._lists: Optional[_StepLists] = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -181,39 +195,91 @@ class SharpnessAware(torch.optim.Optimizer):
         param_group = normalize_param_group(param_group)
         if hasattr(self, "base_optimizer"):
             self.base_optimizer.add_param_group(param_group)
+            self._group_rho()
         else:
             super().add_param_group(param_group)
 
     @staticmethod
     def _empty_diagnostics() -> Dict[str, float]:
         return {"two_pass": 0.0, "ascent_norm": _NAN, "sharpness": _NAN, "stability": _NAN,
-                "loss_gap": _NAN, "nonfinite": 0.0}
+                "loss_gap": _NAN, "nonfinite": 0.0, "rho": _NAN}
 
-    def _params_with_grad(self):
-        params, names = [], []
+    # ------------------------------------------------------------------ rho
+
+    def _group_rho(self) -> float:
+        """The one rho every param group holds (one global ascent norm), checked."""
+        groups = self.param_groups
+        rho = groups[0].get("rho") if groups else self.defaults["rho"]
+        for group in groups:
+            if group.get("rho", rho) != rho:
+                values = ", ".join(f"group {i}: {g.get('rho')!r}" for i, g in enumerate(groups))
+                raise ValueError("rho must be the same in every param group (one global ascent norm), got "
+                                 + values)
+        return check("rho", rho, name="param_groups' rho")
+
+    @property
+    def rho(self) -> float:
+        """The neighbourhood's radius, held in every param group (``group["rho"]``), so
+        that a scheduler can drive it; with ``rho_min`` set it is GSAM's ``rho_max``."""
+        return self._group_rho()
+
+    @rho.setter
+    def rho(self, value: float) -> None:
+        value = check("rho", value)
+        for group in self.param_groups:
+            group["rho"] = value
+        self.defaults["rho"] = value
+
+    def current_rho(self) -> float:
+        """The rho the next step uses: the groups' rho, or GSAM's schedule from the first
+        group's lr when ``rho_min`` is set (:func:`plugins.perturbation.scheduled_rho`)."""
+        rho = self._group_rho()
+        if self.rho_min is None:
+            return rho
+        lr = float(self.param_groups[0]["lr"])
+        rho_t = P.scheduled_rho(rho, self.rho_min, lr, self.lr_max, self.lr_min)
+        if not rho_t >= 0.0:
+            raise ValueError(f"the rho schedule gives rho = {rho_t:g} < 0 at lr = {lr:g}: the lr fell below "
+                             f"lr_min = {self.lr_min:g}; set lr_min to the schedule's lowest lr")
+        return rho_t
+
+    # ------------------------------------------------------------------ per-step lists
+
+    def _step_lists(self) -> "_StepLists":
+        """The parameters with a gradient and what the step needs about them, cached
+        while that set is unchanged (one list comprehension per step on a hit)."""
+        params = [q for group in self.param_groups for q in group["params"] if q.grad is not None]
+        cached = self._lists
+        if cached is not None and len(cached.params) == len(params) and all(
+                map(operator.is_, cached.params, params)):
+            return cached
+        names: List[Optional[str]] = []
         for group in self.param_groups:
             group_names = group.get("param_names")
             for i, q in enumerate(group["params"]):
-                if q.grad is None:
-                    continue
-                if q.grad.is_sparse:
-                    raise RuntimeError("sharpness-aware optimizers do not support sparse gradients")
-                params.append(q)
-                names.append(group_names[i] if group_names is not None else None)
-        return params, names
+                if q.grad is not None:
+                    if q.grad.is_sparse:
+                        raise RuntimeError("sharpness-aware optimizers do not support sparse gradients")
+                    names.append(group_names[i] if group_names is not None else None)
+        self._lists = lists = _StepLists(params, names, self.adaptive)
+        return lists
 
-    def _buffers(self, params, key: str, like: List[torch.Tensor], store=None, *,
+    def _buffers(self, lists: "_StepLists", key: str, like: List[torch.Tensor], *, scratch: bool = False,
                  zeros: bool = False) -> List[torch.Tensor]:
-        """Per-parameter buffers named ``key``, allocated on first use as copies of
-        ``like`` (or zeros of its shape)."""
-        store = self.state if store is None else store
+        """Per-parameter buffers named ``key`` (in ``state``, or the per-step scratch),
+        allocated on first use as copies of ``like`` (or zeros of its shape)."""
+        out = lists.buffers.get(key)
+        if out is not None:
+            return out
+        store = self._scratch if scratch else self.state
         out = []
-        for q, src in zip(params, like):
+        for q, src in zip(lists.params, like):
             buf = store[q].get(key)
             if buf is None:
                 src = src.detach()
                 buf = store[q][key] = torch.zeros_like(src) if zeros else src.clone(memory_format=torch.preserve_format)
             out.append(buf)
+        lists.buffers[key] = out
         return out
 
     def _warn_nonfinite(self, which: str) -> None:
@@ -244,106 +310,148 @@ class SharpnessAware(torch.optim.Optimizer):
         """First half of a step: read ``g_t`` from ``.grad`` and move to ``x_t + eps_t``.
 
         Returns True when the caller must now clear the gradients and run the second
-        forward/backward on the same batch (same RNG state; BatchNorm frozen with
-        :func:`plugins.frozen_running_stats`), then call :meth:`descend`.  Returns
-        False when no second pass is wanted: the coin skipped it (``.grad`` still
-        holds ``g_t``) or ``g_t`` was not finite (the step will be skipped); call
-        :meth:`descend` all the same.
+        forward/backward on the same batch inside :meth:`second_pass`, then call
+        :meth:`descend`.  Returns False when no second pass is wanted: the coin
+        skipped it (``.grad`` still holds ``g_t``) or ``g_t`` was not finite (the
+        step will be skipped); call :meth:`descend` all the same.
         """
         if self._pending is not None:
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
+        rho = self.current_rho()  # may refuse: before anything moves
         step = self._step
         self._step += 1
         self.diagnostics = diag = self._empty_diagnostics()
-        params, names = self._params_with_grad()
+        diag["rho"] = rho
+        lists = self._step_lists()
+        params = lists.params
         grads = [q.grad for q in params]
-        grad_norm = float(P.global_norm(grads))
+        two_pass = len(params) > 0 and P.second_pass_coin(self.p, self.seed, step)
+        vasso = self.theta is not None
+        # The stability from scalars alone works where the previous ascent is
+        # recoverable from what the slope buffer holds before this step writes it.
+        scalar_stability = self.track_stability and not self.adaptive and (not vasso or self.p >= 1.0)
+        want_inner = scalar_stability and two_pass and self._previous is not None
+
+        # One reduction, one host sync: ||g_t|| (finiteness, SAM's ||v_t||), for the
+        # scalar stability <g_t, v_last> (SAM: g of the last ascent; VASSO: d_{t-1}), and
+        # VASSO's ||d_t|| from d_{t-1} and g_t before d_t is written (the ascent's scale).
+        slopes = lists.buffers.get("slope")
+        terms = [(grads, None)]
+        if want_inner and slopes is not None:
+            terms.append((grads, slopes))
+        fused_norm = vasso and two_pass and slopes is not None and lists.fuse_average_norm
+        if fused_norm:
+            terms.append((slopes, grads, self.theta))
+        values = P.reductions(terms, lists.plan).tolist() if params else [0.0]
+        grad_norm = values[0]
         if not math.isfinite(grad_norm):
             diag["nonfinite"] = 1.0
             self._pending = {"kind": "nonfinite"}
             self._warn_nonfinite("first-pass")
             return False
+        inner_previous = None
+        if want_inner:  # <g_t, v_last>, as VASSO's <d_t, d_{t-1}> further down
+            inner_previous = values[1] if slopes is not None else self._inner_with_kept_slopes(params, grads)
 
-        two_pass = P.second_pass_coin(self.p, self.seed, step) and len(params) > 0
-        plain = not self.adaptive
-        # The stability diagnostic from scalars alone works where the previous ascent
-        # is recoverable from what the slope buffer holds before this step writes it.
-        scalar_stability = self.track_stability and plain and (self.theta is None or self.p >= 1.0)
-
-        if self.theta is None:  # SAM: the slope is g_t; keep it only if it is used
-            inner_prev = None
-            if two_pass and scalar_stability and self._previous is not None:
-                # <g_t, g_last>: the buffer still holds the slope of the last applied ascent
-                kept = [(g, self.state[q]["slope"]) for q, g in zip(params, grads) if "slope" in self.state[q]]
-                inner_prev = P.dot([g for g, _ in kept], [s for _, s in kept])
-            slopes = self._buffers(params, "slope", grads) if two_pass else grads
-            if two_pass:
-                torch._foreach_copy_(slopes, grads)
-            slope_norm = grad_norm
-        else:  # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
-            fresh_ids = {id(q) for q in params if "slope" not in self.state[q]}
-            slopes = self._buffers(params, "slope", grads)  # new entries start at d_0 = g_0
-            update = [(d, g) for q, d, g in zip(params, slopes, grads) if id(q) not in fresh_ids]
-            inner_prev = None
-            if scalar_stability and self._previous is not None:
-                # <d_t, d_{t-1}> = (1 - theta) ||d_{t-1}||^2 + theta <g_t, d_{t-1}>
-                gd = P.dot([g for _, g in update], [d for d, _ in update])
-                prev_norm = self._previous["slope_norm"]
-                inner_prev = (1.0 - self.theta) * prev_norm * prev_norm + self.theta * gd
-            if update:
-                P.update_moving_average([d for d, _ in update], [g for _, g in update], self.theta)
-            # ||d_t|| only where eps is built (a skipped step needs none)
-            slope_norm = float(P.global_norm(slopes)) if two_pass else _NAN
-
+        slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
+                                                values[-1] if fused_norm else None)
+        if vasso and inner_previous is not None:
+            inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
         if not two_pass:
             self._pending = {"kind": "first_gradient"}
             return False
 
-        if self.gsam_alpha > 0.0 and self.theta is not None:
-            torch._foreach_copy_(self._buffers(params, "first_grad", grads, self._scratch), grads)
-        need_anchor = self.exact_restore or self.adaptive or any(q.dtype not in _EXACT_DTYPES for q in params)
-        if need_anchor:
-            torch._foreach_copy_(self._buffers(params, "anchor", params, self._scratch), params)
-
-        rho = self.rho
-        if plain:
-            scale = P.plain_ascent_scale(rho, slope_norm)
-            torch._foreach_add_(params, slopes, alpha=scale)
-            ascent_norm = rho if slope_norm > 0.0 else 0.0
-            diag["sharpness"] = rho * slope_norm
-            eps = None
-        else:
-            mask = P.weight_mask(params, None if any(n is None for n in names) else names)
-            eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=mask, eta=self.eta)
-            torch._foreach_add_(params, eps)
-            ascent_norm = float(P.global_norm(eps))
-            diag["sharpness"] = rho * scaled_norm
-            scale = None
-        diag["two_pass"] = 1.0
-        diag["ascent_norm"] = ascent_norm
-
-        if self.track_stability:
-            if scalar_stability:
-                # eps_t = s_t v_t and eps_last = s_last v_last: <eps_t, eps_last> from <v_t, v_last>
-                if self._previous is not None and inner_prev is not None:
-                    prev = self._previous
-                    inner = scale * P.plain_ascent_scale(prev["rho"], prev["slope_norm"]) * inner_prev
-                    diag["stability"] = P.distance_between_ascents(ascent_norm, prev["ascent_norm"], inner)
+        first_grads = None
+        if self.gsam_alpha > 0.0:
+            if vasso:  # V+G: the correction takes g_t, which d_t does not keep
+                first_grads = self._buffers(lists, "first_grad", grads, scratch=True)
+                torch._foreach_copy_(first_grads, grads)
             else:
-                prev_bufs = self._buffers(params, "previous_ascent", grads, zeros=True)
-                if self._previous is not None:
-                    inner = P.dot(eps, prev_bufs) if eps is not None else scale * P.dot(slopes, prev_bufs)
-                    diag["stability"] = P.distance_between_ascents(ascent_norm, self._previous["ascent_norm"], inner)
-                if eps is not None:
-                    torch._foreach_copy_(prev_bufs, eps)
-                else:
-                    torch._foreach_copy_(prev_bufs, slopes)
-                    torch._foreach_mul_(prev_bufs, scale)
+                first_grads = slopes
+        anchors = None
+        if self.exact_restore or self.adaptive or lists.low_precision:
+            anchors = self._buffers(lists, "anchor", params, scratch=True)
+            torch._foreach_copy_(anchors, params)
+
+        eps, scale, ascent_norm, sharpness = self._ascend(lists, slopes, slope_norm, rho)
+        diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
+        if self.track_stability:
+            diag["stability"] = self._stability(lists, grads, slopes, eps, scale, ascent_norm, inner_previous,
+                                                scalar_stability)
         self._previous = {"rho": rho, "slope_norm": slope_norm, "ascent_norm": ascent_norm}
 
-        self._pending = {"kind": "perturbed", "params": params, "slopes": slopes, "scale": scale,
-                         "anchored": need_anchor, "at_ascent": True}
+        self._pending = {"kind": "perturbed", "lists": lists, "slopes": slopes, "scale": scale,
+                         "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True}
         return True
+
+    def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
+                      fused_norm: Optional[float]):
+        """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built)."""
+        slopes = lists.buffers.get("slope")
+        if self.theta is None:  # SAM: the slope is g_t, kept only on two-pass steps
+            if two_pass:
+                if slopes is None:
+                    slopes = self._buffers(lists, "slope", grads)
+                torch._foreach_copy_(slopes, grads)
+            return slopes, grad_norm
+        # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
+        if slopes is None:  # new buffers start at d_0 = g_0
+            fresh = {id(q) for q in lists.params if "slope" not in self.state[q]}
+            slopes = self._buffers(lists, "slope", grads)
+            kept = [i for i, q in enumerate(lists.params) if id(q) not in fresh]
+            if kept:
+                P.update_moving_average([slopes[i] for i in kept], [grads[i] for i in kept], self.theta)
+        else:
+            P.update_moving_average(slopes, grads, self.theta)
+        if not two_pass:
+            return slopes, _NAN  # a skipped step needs no ||d_t||
+        if fused_norm is not None:
+            return slopes, fused_norm
+        return slopes, float(P.global_norm(slopes, lists.plan))
+
+    def _ascend(self, lists: "_StepLists", slopes: List[torch.Tensor], slope_norm: float, rho: float):
+        """Move to ``x_t + eps_t``; returns ``(eps or None, s or None, ||eps_t||, sharpness)``:
+        plain geometry adds ``s v_t`` without materializing ``eps``."""
+        params = lists.params
+        if not self.adaptive:
+            scale = P.plain_ascent_scale(rho, slope_norm)
+            torch._foreach_add_(params, slopes, alpha=scale)
+            return None, scale, P.plain_ascent_norm(rho, slope_norm), P.estimated_sharpness(rho, slope_norm)
+        eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta)
+        torch._foreach_add_(params, eps)
+        return eps, None, float(P.global_norm(eps, lists.plan)), P.estimated_sharpness(rho, scaled_norm)
+
+    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool) -> float:
+        """``||eps_t - eps_{t-1}||`` (NaN on the first ascent): from scalars where the slope
+        buffer still told ``<v_t, v_{t-1}>``, else from the kept ``previous_ascent``."""
+        previous = self._previous
+        if scalar:
+            if inner_previous is None:
+                return _NAN
+            return P.plain_stability(scale, P.plain_ascent_scale(previous["rho"], previous["slope_norm"]),
+                                     inner_previous, ascent_norm, previous["ascent_norm"])
+        kept = self._buffers(lists, "previous_ascent", grads, zeros=True)
+        stability = _NAN
+        if previous is not None:
+            if eps is not None:
+                inner = float(P.reductions([(eps, kept)], lists.plan)[0])
+            else:
+                inner = scale * float(P.reductions([(slopes, kept)], lists.plan)[0])
+            stability = P.distance_between_ascents(ascent_norm, previous["ascent_norm"], inner)
+        if eps is not None:
+            torch._foreach_copy_(kept, eps)
+        else:
+            torch._foreach_copy_(kept, slopes)
+            torch._foreach_mul_(kept, scale)
+        return stability
+
+    def _inner_with_kept_slopes(self, params, grads) -> Optional[float]:
+        """``<g_t, v_last>`` over the parameters that have a slope buffer (the set of
+        parameters with a gradient changed since the last step)."""
+        pairs = [(g, self.state[q]["slope"]) for q, g in zip(params, grads) if "slope" in self.state[q]]
+        if not pairs:
+            return 0.0
+        return P.dot([g for g, _ in pairs], [v for _, v in pairs])
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -351,9 +459,9 @@ class SharpnessAware(torch.optim.Optimizer):
         pending = self._pending
         if pending is None or pending["kind"] != "perturbed" or not pending["at_ascent"]:
             return
-        params = pending["params"]
-        if pending["anchored"]:
-            torch._foreach_copy_(params, [self._scratch[q]["anchor"] for q in params])
+        params = pending["lists"].params
+        if pending["anchors"] is not None:
+            torch._foreach_copy_(params, pending["anchors"])
         else:
             torch._foreach_add_(params, pending["slopes"], alpha=-pending["scale"])
         pending["at_ascent"] = False
@@ -381,25 +489,70 @@ class SharpnessAware(torch.optim.Optimizer):
         if pending["kind"] == "nonfinite":
             return False
         if pending["kind"] == "perturbed":
-            params = [q for q in pending["params"] if q.grad is not None]
-            second = [q.grad for q in params]
-            if not math.isfinite(float(P.global_norm(second))):
+            lists = pending["lists"]
+            firsts = pending["first_grads"]
+            second = [q.grad for q in lists.params]
+            plan = lists.plan
+            if any(h is None for h in second):  # a parameter got no gradient in the second pass
+                keep = [i for i, h in enumerate(second) if h is not None]
+                second = [second[i] for i in keep]
+                firsts = None if firsts is None else [firsts[i] for i in keep]
+                plan = None
+            gsam = self.gsam_alpha > 0.0 and pending["rho"] > 0.0 and len(second) > 0  # rho = 0: h == g
+            terms = [(second, None)]
+            if gsam:
+                terms.append((firsts, second))
+            # one host sync: finiteness of h_t, and GSAM's ||h_t|| and <g_t, h_t>
+            values = P.reductions(terms, plan).tolist() if second else [0.0]
+            if not math.isfinite(values[0]):
                 self.diagnostics["nonfinite"] = 1.0
                 self._warn_nonfinite("second-pass")
                 return False
-            if self.gsam_alpha > 0.0 and self.rho > 0.0:  # rho = 0: h == g, nothing to correct
-                key, store = ("slope", self.state) if self.theta is None else ("first_grad", self._scratch)
-                P.gsam_correct(second, [store[q][key] for q in params], self.gsam_alpha)
+            if gsam:
+                P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=values[0], g_dot_h=values[1])
         self.base_optimizer.step()
         return True
 
+    @contextlib.contextmanager
+    def second_pass(self, model: Optional[torch.nn.Module] = None, rng: Optional[tuple] = None) -> Iterator[None]:
+        """The second forward/backward, at ``x_t + eps_t``, as every host runs it::
+
+            rng = plugins.perturbation.rng_state()      # before the first forward
+            ...first forward/backward...
+            if opt.perturb():
+                opt.zero_grad()
+                with opt.second_pass(model, rng):
+                    ...second forward/backward...
+            opt.descend()
+
+        Inside the block ``in_second_pass`` is True, the RNG state ``rng`` of the
+        first pass is replayed (same dropout masks) and ``model``'s BatchNorm layers
+        keep their running statistics from the first pass only.  An exception puts
+        the parameters back at ``x_t`` and drops the step (:meth:`abandon`).
+        """
+        if self._pending is None or self._pending["kind"] != "perturbed":
+            raise RuntimeError("second_pass() without a perturbation: enter it only when perturb() returned True")
+        if rng is not None:
+            P.set_rng_state(rng)
+        self.in_second_pass = True
+        try:
+            with (P.frozen_running_stats(model) if model is not None else contextlib.nullcontext()):
+                yield
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            self.in_second_pass = False
+
     # ------------------------------------------------------------------ the closure API
 
-    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
+    def step(self, closure: Closure = None, model: Optional[torch.nn.Module] = None):
         """One full step.  ``closure`` clears the gradients, computes the loss, calls
         ``backward()`` and returns the loss; it runs at ``x_t`` and, unless the coin
-        skips, at ``x_t + eps_t`` from the same RNG state (same dropout masks).
-        Returns the first loss.  ``in_second_pass`` is True during the second call.
+        skips, at ``x_t + eps_t`` inside :meth:`second_pass` (the same RNG state, so
+        the same dropout masks; ``in_second_pass`` is True).  Given ``model``, its
+        BatchNorm running statistics come from the first call only.  Returns the
+        first loss.
         """
         if closure is None:
             raise RuntimeError(f"{type(self).__name__}.step() needs a closure that re-evaluates the loss; "
@@ -408,17 +561,15 @@ class SharpnessAware(torch.optim.Optimizer):
         with torch.enable_grad():
             loss = closure()
         try:
-            if self.perturb():
-                P.set_rng_state(rng)
-                self.in_second_pass = True
-                with torch.enable_grad():
-                    second = closure()
-                self.in_second_pass = False
-                if loss is not None and second is not None:
-                    self.diagnostics["loss_gap"] = _as_float(second) - _as_float(loss)
+            perturbed = self.perturb()
         except BaseException:
             self.abandon()
             raise
+        if perturbed:
+            with self.second_pass(model, rng), torch.enable_grad():
+                second = closure()
+            if loss is not None and second is not None:
+                self.diagnostics["loss_gap"] = _loss_gap(loss, second)
         self.descend()
         return loss
 
@@ -428,7 +579,8 @@ class SharpnessAware(torch.optim.Optimizer):
         return [q for g in self.param_groups for q in g["params"]]
 
     def state_dict(self) -> Dict[str, Any]:
-        """The base optimizer's state dict plus this wrapper's buffers and counters."""
+        """The base optimizer's state dict (its param groups carry rho) plus this
+        wrapper's buffers and counters."""
         if self._pending is not None:
             raise RuntimeError("state_dict() in the middle of a step: call descend() or abandon() first")
         index = {id(q): i for i, q in enumerate(self._all_params())}
@@ -441,15 +593,20 @@ class SharpnessAware(torch.optim.Optimizer):
                           "nonfinite_steps": self._nonfinite_steps,
                           # recorded for provenance; the constructor's values are the ones used
                           "rho": self.rho, "theta": self.theta, "adaptive": self.adaptive, "eta": self.eta,
-                          "gsam_alpha": self.gsam_alpha, "p": self.p},
+                          "gsam_alpha": self.gsam_alpha, "p": self.p, "rho_min": self.rho_min,
+                          "lr_max": self.lr_max, "lr_min": self.lr_min},
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if "base_optimizer" not in state_dict or "sharpness" not in state_dict:
             raise ValueError("not a sharpness-aware optimizer state dict (no 'base_optimizer'/'sharpness' entries)")
+        rho = self.defaults["rho"]
         self.base_optimizer.load_state_dict(state_dict["base_optimizer"])
         # torch's load_state_dict rebuilds the group list: link it again.
         self.param_groups = self.base_optimizer.param_groups
+        for group in self.param_groups:  # a state dict from before rho lived in the groups
+            group.setdefault("rho", rho)
+        self._group_rho()
         params = self._all_params()
         self.state = defaultdict(dict)
         for i, buffers in state_dict["state"].items():
@@ -462,6 +619,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self._scratch = defaultdict(dict)
         self._pending = None
+        self._lists = None
 
     def state_nbytes(self, *, include_scratch: bool = True) -> int:
         """Bytes this wrapper holds beyond the base optimizer (persistent state, and
@@ -471,6 +629,38 @@ class SharpnessAware(torch.optim.Optimizer):
         if include_scratch:
             total += sum(v.numel() * v.element_size() for b in self._scratch.values() for v in b.values())
         return total
+
+
+class _StepLists:
+    """What a step needs about the parameters that have a gradient, built once per
+    set of such parameters: the reduction plan, the adaptive mask, whether any is
+    fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
+
+    __slots__ = ("params", "names", "plan", "mask", "low_precision", "fuse_average_norm", "buffers")
+
+    def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool):
+        self.params = params
+        self.names = names
+        self.plan = P.chunk_plan(params)
+        self.mask = P.weight_mask(params, None if any(n is None for n in names) else names) if adaptive else None
+        self.low_precision = any(q.dtype not in _EXACT_DTYPES for q in params)
+        # VASSO's ||d_t|| from the first reduction saves a host sync but costs a pass that
+        # writes d_t's size: worth it on accelerators, and on the CPU (where a "sync"
+        # costs nothing) only when every tensor is copied into a flat chunk anyway.
+        # Not for fp16/bf16: their d_t is rounded to their precision after the update.
+        all_flat = all(q.numel() < P.FLAT_BELOW for q in params)
+        on_cpu = all(q.device.type == "cpu" for q in params)
+        self.fuse_average_norm = not self.low_precision and (all_flat or not on_cpu)
+        self.buffers: Dict[str, List[torch.Tensor]] = {}
+
+
+def _loss_gap(first, second) -> float:
+    """``f(x + eps) - f(x)`` as a float, with one host sync for two tensors."""
+    if torch.is_tensor(first) and torch.is_tensor(second) and first.numel() == 1 and second.numel() == 1:
+        a, b = torch.stack([first.detach().reshape(()).double(), second.detach().reshape(()).to(
+            first.device, torch.float64)]).tolist()
+        return b - a
+    return _as_float(second) - _as_float(first)
 
 
 class SAM(SharpnessAware):
@@ -490,12 +680,16 @@ class SAM(SharpnessAware):
     1.0
     """
 
-    def __init__(self, params, base_optimizer, rho: float = 0.05, *, adaptive: bool = False, eta: float = 0.01,
-                 gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0, track_stability: bool = True,
-                 exact_restore: bool = False, **base_kwargs):
+    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, adaptive: bool = False,
+                 eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
+                 rho_min: Optional[float] = None, lr_max: Optional[float] = None, lr_min: float = 0.0,
+                 track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
+        if "theta" in base_kwargs:
+            raise ValueError("SAM takes no theta: its slope is the raw gradient g_t; "
+                             "use VASSO(..., theta=...) for the moving average d_t")
         super().__init__(params, base_optimizer, rho, theta=None, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, track_stability=track_stability,
-                         exact_restore=exact_restore, **base_kwargs)
+                         gsam_alpha=gsam_alpha, p=p, seed=seed, rho_min=rho_min, lr_max=lr_max, lr_min=lr_min,
+                         track_stability=track_stability, exact_restore=exact_restore, **base_kwargs)
 
 
 class VASSO(SharpnessAware):
@@ -520,11 +714,12 @@ class VASSO(SharpnessAware):
     ['slope']
     """
 
-    def __init__(self, params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4, adaptive: bool = False,
-                 eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
+    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4,
+                 adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
+                 rho_min: Optional[float] = None, lr_max: Optional[float] = None, lr_min: float = 0.0,
                  track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
         if theta is None:
             raise ValueError("theta must be in (0, 1], got None (use SAM for the raw gradient)")
         super().__init__(params, base_optimizer, rho, theta=theta, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, track_stability=track_stability,
-                         exact_restore=exact_restore, **base_kwargs)
+                         gsam_alpha=gsam_alpha, p=p, seed=seed, rho_min=rho_min, lr_max=lr_max, lr_min=lr_min,
+                         track_stability=track_stability, exact_restore=exact_restore, **base_kwargs)

@@ -1,6 +1,6 @@
 """The math of one sharpness-aware step, as small functions over lists of tensors.
 
-Every formula of ``DESIGN.md`` section 1 lives here once; :mod:`plugins.optimizer`
+Every formula of the step (``docs/design.md``) lives here once; :mod:`plugins.optimizer`
 only keeps state and calls these in order.  Torch only.
 
 Notation (paper, Alg. 1-2): ``g`` the first-pass gradient at ``x``, ``v`` the slope
@@ -21,38 +21,116 @@ Tensors = Sequence[torch.Tensor]
 _MASK64 = (1 << 64) - 1
 
 
-# --------------------------------------------------------------------------- norms
+# --------------------------------------------------------------------------- reductions
+
+#: Tensors smaller than this many elements are flattened together (one ``torch.cat``
+#: per chunk), so that a model of many small tensors costs a few kernels instead of
+#: one per tensor; larger tensors are reduced where they are, without a copy.
+FLAT_BELOW = 1 << 15
+#: A chunk of flattened tensors holds at most this many elements (the transient copy).
+FLAT_CHUNK = 1 << 20
 
 
-def global_norm(tensors: Tensors) -> torch.Tensor:
-    """One L2 norm over every tensor of the list (a 0-dim float32 tensor).
+def chunk_plan(tensors: Tensors) -> List[List[int]]:
+    """Index groups of ``tensors`` that :func:`reductions` flattens together: same
+    device and dtype, each under :data:`FLAT_BELOW` elements, at most
+    :data:`FLAT_CHUNK` in all (a larger tensor forms a group alone).  Depends only on
+    the tensors' sizes, devices and dtypes, so callers cache it."""
+    plan: List[List[int]] = []
+    open_chunks: dict = {}
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n >= FLAT_BELOW:
+            plan.append([i])
+            continue
+        key = (t.device, t.dtype)
+        chunk = open_chunks.get(key)
+        if chunk is None or chunk[1] + n > FLAT_CHUNK:
+            chunk = open_chunks[key] = [[], 0]
+            plan.append(chunk[0])
+        chunk[0].append(i)
+        chunk[1] += n
+    return plan
 
-    Uses ``torch._foreach_norm`` (one kernel launch per device/dtype bucket) and
-    accumulates the per-tensor norms in float32 so fp16 gradients cannot overflow
-    the sum of squares.
-    """
-    if len(tensors) == 0:
-        return torch.zeros(())
-    norms = torch._foreach_norm(list(tensors))
-    device = norms[0].device
-    if any(n.device != device or n.dtype != torch.float32 for n in norms):
-        norms = [n.to(device=device, dtype=torch.float32) for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms))
+
+def _flat(tensors: Tensors, chunk: List[int]) -> torch.Tensor:
+    t = torch.cat([tensors[i].reshape(-1) for i in chunk])
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened, in float32 if it is fp16/bf16."""
+    t = t.reshape(-1)
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+    """Several sums over lists of tensors of the same shapes in one go, as one float64
+    vector on the tensors' device:
+
+    * ``(xs, None)``: ``||xs||``, one global L2 norm;
+    * ``(xs, ys)``: ``<xs, ys>``;
+    * ``(ds, gs, theta)``: ``||(1 - theta) ds + theta gs||``, the norm of VASSO's next
+      moving average, computed before (and without) updating ``ds``.
+
+    The small tensors of each chunk of :func:`chunk_plan` are flattened once per list
+    (one ``torch.cat``) and reduced with one kernel per term; large tensors are reduced
+    where they are (norms with one ``torch._foreach_norm``).  fp16/bf16 are reduced in
+    float32 (no overflow of the sum of squares); inner products add up in float64.
+    Reading the result (``tolist()``) is the one host synchronization for all of them."""
+    first = terms[0][0]
+    if len(first) == 0:
+        return torch.zeros(len(terms), dtype=torch.float64)
+    plan = chunk_plan(first) if plan is None else plan
+    alone = [c[0] for c in plan if len(c) == 1]
+    chunks = [c for c in plan if len(c) > 1]
+    flats: dict = {}
+
+    def flat(xs, k):
+        key = (id(xs), k)
+        f = flats.get(key)
+        if f is None:
+            f = flats[key] = _flat(xs, chunks[k])
+        return f
+
+    results = []
+    for term in terms:
+        if len(term) == 3 or term[1] is None:  # a norm: over the per-tensor / per-chunk norms
+            if len(term) == 3:
+                ds, gs, theta = term
+
+                def averaged(d, g):
+                    return torch.lerp(d, g.to(d.dtype), theta)
+                parts = [torch.linalg.vector_norm(averaged(_wide(ds[i]), _wide(gs[i]))) for i in alone]
+                parts += [torch.linalg.vector_norm(averaged(flat(ds, k), flat(gs, k))) for k in range(len(chunks))]
+            else:
+                xs = term[0]
+                big = [xs[i] for i in alone]
+                if big and all(t.dtype in (torch.float32, torch.float64) for t in big):
+                    parts = list(torch._foreach_norm(big))
+                else:
+                    parts = [torch.linalg.vector_norm(_wide(t)) for t in big]
+                parts += [torch.linalg.vector_norm(flat(xs, k)) for k in range(len(chunks))]
+            parts = [q.to(torch.float32) if q.dtype != torch.float32 else q for q in parts]
+            results.append(torch.linalg.vector_norm(torch.stack(parts)).double())
+        else:
+            xs, ys = term
+            parts = [torch.dot(_wide(xs[i]), _wide(ys[i]).to(_wide(xs[i]).dtype)) for i in alone]
+            parts += [torch.dot(flat(xs, k), flat(ys, k).to(flat(xs, k).dtype)) for k in range(len(chunks))]
+            results.append(torch.stack([q.double() for q in parts]).sum() if len(parts) > 1
+                           else parts[0].double())
+    return torch.stack(results)
+
+
+def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+    """One L2 norm over every tensor of the list (a 0-dim float64 tensor)."""
+    return reductions([(list(tensors), None)], plan)[0]
 
 
 def dot(xs: Tensors, ys: Tensors) -> float:
-    """Inner product <xs, ys> over all tensors: per-tensor dots in the tensors' precision
-    (float32 for fp16/bf16), summed on the device in float64, one host sync."""
+    """Inner product <xs, ys> over all tensors (one host synchronization)."""
     xs, ys = list(xs), list(ys)
-    if not xs:
-        return 0.0
-    device = xs[0].device
-    parts = []
-    for x, y in zip(xs, ys):
-        if x.dtype in (torch.float16, torch.bfloat16):
-            x, y = x.float(), y.float()
-        parts.append(torch.dot(x.reshape(-1), y.reshape(-1).to(x.dtype)).to(device=device, dtype=torch.float64))
-    return float(torch.stack(parts).sum())
+    return float(reductions([(xs, ys)])[0]) if xs else 0.0
 
 
 # --------------------------------------------------------------------------- slope
@@ -61,6 +139,11 @@ def dot(xs: Tensors, ys: Tensors) -> float:
 def update_moving_average(averages: Tensors, grads: Tensors, theta: float) -> None:
     """VASSO's slope, in place: ``d <- (1 - theta) * d + theta * g`` (paper eq. 4a)."""
     torch._foreach_lerp_(list(averages), list(grads), theta)
+
+
+def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: float) -> float:
+    """``<d_t, d_{t-1}>`` from scalars: ``(1 - theta) ||d_{t-1}||^2 + theta <g_t, d_{t-1}>``."""
+    return (1.0 - theta) * previous_norm * previous_norm + theta * grad_dot_previous
 
 
 # --------------------------------------------------------------------------- geometry
@@ -95,7 +178,7 @@ def ascent_direction(
         scales = [adaptive_scale(x, eta) if m else None for x, m in zip(params, adaptive_mask)]
         scaled = [v * t if t is not None else v.detach().clone() for v, t in zip(slopes, scales)]
     norm = float(global_norm(scaled)) if scaled else 0.0
-    factor = rho / norm if norm > 0.0 else 0.0
+    factor = plain_ascent_scale(rho, norm)
     for tv, t in zip(scaled, scales):
         if t is not None:
             tv.mul_(t)  # T (T v) = T^2 v
@@ -109,27 +192,59 @@ def plain_ascent_scale(rho: float, slope_norm: float) -> float:
     return rho / slope_norm if slope_norm > 0.0 else 0.0
 
 
+def plain_ascent_norm(rho: float, slope_norm: float) -> float:
+    """``||eps||`` of plain geometry: ``rho``, or 0 when ``v == 0``."""
+    return rho if slope_norm > 0.0 else 0.0
+
+
+def estimated_sharpness(rho: float, slope_norm: float) -> float:
+    """The paper's estimated sharpness, the linearized ``rho * ||v||`` (``||T v||`` adaptive)."""
+    return rho * slope_norm
+
+
 def distance_between_ascents(norm_a: float, norm_b: float, inner: float) -> float:
     """``||a - b||`` from ``||a||``, ``||b||`` and ``<a, b>`` (clamped at 0 for rounding)."""
     return math.sqrt(max(norm_a * norm_a + norm_b * norm_b - 2.0 * inner, 0.0))
 
 
+def plain_stability(scale: float, previous_scale: float, inner_slopes: float, ascent_norm: float,
+                    previous_ascent_norm: float) -> float:
+    """The stability ``||eps_t - eps_{t-1}||`` of plain geometry from scalars alone:
+    ``eps_t = s_t v_t`` and ``eps_{t-1} = s_{t-1} v_{t-1}``, so
+    ``<eps_t, eps_{t-1}> = s_t s_{t-1} <v_t, v_{t-1}>``."""
+    inner = scale * previous_scale * inner_slopes
+    return distance_between_ascents(ascent_norm, previous_ascent_norm, inner)
+
+
+# --------------------------------------------------------------------------- rho schedule
+
+
+def scheduled_rho(rho_max: float, rho_min: float, lr: float, lr_max: float, lr_min: float) -> float:
+    """GSAM's rho schedule (Zhuang et al. 2022), rho proportional to the learning rate:
+    ``rho_t = rho_min + (rho_max - rho_min) (lr_t - lr_min) / (lr_max - lr_min)``."""
+    return rho_min + (rho_max - rho_min) * (lr - lr_min) / (lr_max - lr_min)
+
+
 # --------------------------------------------------------------------------- descent correction
 
 
-def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float) -> None:
+def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
+                 h_norm: Optional[float] = None, g_dot_h: Optional[float] = None) -> None:
     """GSAM's descent (Zhuang et al. 2022), in place on ``h``.
 
     ``h <- h - alpha * g_perp`` where ``g_perp = g - (<g, h> / ||h||^2) h`` is the
     component of the first gradient orthogonal to the second; this is the
     decomposition of the authors' reference code.  No-op when ``h == 0``.
+    ``h_norm`` and ``g_dot_h`` may be passed when already reduced.
     """
     if alpha == 0.0 or len(second_grads) == 0:
         return
-    h_sq = float(global_norm(second_grads)) ** 2
+    if h_norm is None or g_dot_h is None:
+        h_norm, g_dot_h = reductions([(list(second_grads), None), (list(first_grads), list(second_grads))]).tolist()
+    h_sq = h_norm * h_norm
     if h_sq == 0.0:
         return
-    parallel = dot(first_grads, second_grads) / h_sq
+    parallel = g_dot_h / h_sq
     # h - alpha * (g - parallel * h) == (1 + alpha * parallel) * h - alpha * g
     torch._foreach_mul_(list(second_grads), 1.0 + alpha * parallel)
     torch._foreach_add_(list(second_grads), list(first_grads), alpha=-alpha)
@@ -186,7 +301,7 @@ def frozen_running_stats(module: torch.nn.Module) -> Iterator[None]:
     their running mean, variance or ``num_batches_tracked``.
 
     For the second pass at ``x + eps``: the running statistics must come from the
-    first pass only (``DESIGN.md`` section 3).  In training mode torch's BatchNorm
+    first pass only (``docs/design.md``, the host protocol).  In training mode torch's BatchNorm
     skips every buffer update when ``track_running_stats`` is False, which is what
     this flips for the duration of the block.
     """

@@ -38,6 +38,11 @@ What it measures (every figure is printed with the machine it was taken on):
    fairseq's own ``ups`` (wall clock) from its ``train_inner`` log lines.
    Time is the process's CPU time (``time.process_time``) unless ``--clock wall``:
    other processes' time slices do not inflate it.
+6. **The two-pass floor**: on 30 x [Linear(32, 32), LayerNorm(32)] (120 small
+   tensors), SAM and VASSO with their defaults (diagnostics on, read after every
+   step) over AdamW running the same two forward/backward passes, the median of
+   ratios paired within 30+ interleaved repeats: what the wrapper's own per-step
+   work costs where per-tensor Python work would show (``--no-floor`` skips it).
 
 The parts live in the installed packages: :mod:`plugins.bench` (models, timing, memory,
 report) and :mod:`fairseq_vasso.bench` (the fairseq-train runs); this recipe chooses
@@ -64,24 +69,25 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 
 from plugins.bench.memory import run_memory, state_table
-from plugins.bench.models import METHODS, MODELS, STATE_ONLY, TINY_MODELS, model_info
+from plugins.bench.models import FLOOR_MODEL, METHODS, MODELS, STATE_ONLY, TINY_FLOOR_MODEL, TINY_MODELS, model_info
 from plugins.bench.report import machine_info, render
-from plugins.bench.timing import CLOCKS, interleaved_timing, summarize_timing
+from plugins.bench.timing import CLOCKS, floor_ratios, interleaved_timing, summarize_timing
 
 # mode -> timing repeats, updates per block, warm-up updates, memory repeats, memory updates,
-#         fairseq repeats, fairseq max-update, fairseq optimizers
+#         fairseq repeats, fairseq max-update, fairseq optimizers, two-pass floor repeats and block
 MODES = {
     "full": dict(reps=15, block=4, warmup=3, mem_reps=2, mem_steps=6, mem_models=None, fs_reps=3, fs_updates=40,
-                 fs_optimizers=("adam", "sam", "vasso")),
+                 fs_optimizers=("adam", "sam", "vasso"), floor_reps=40, floor_block=4),
     "quick": dict(reps=5, block=2, warmup=2, mem_reps=1, mem_steps=3, mem_models=("transformer",), fs_reps=1,
-                  fs_updates=24, fs_optimizers=("adam", "vasso")),
+                  fs_updates=24, fs_optimizers=("adam", "vasso"), floor_reps=30, floor_block=2),
 }
 MODEL_BLOCK_SCALE = {"transformer": 1, "many-small": 3}  # many-small updates are short: longer blocks
 
 
 def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] = None,
             methods: Sequence[str] = tuple(METHODS), threads: int = 1, fairseq: bool = True,
-            memory: bool = True, tiny: bool = False, workdir: Optional[str] = None, clock: str = "cpu",
+            memory: bool = True, floor: bool = True, tiny: bool = False, workdir: Optional[str] = None,
+            clock: str = "cpu",
             overrides: Optional[Dict[str, Any]] = None, log: Callable[[str], None] = print,
             command: str = "", fairseq_only: bool = False) -> Dict[str, Any]:
     """Every measurement of the chosen mode; returns the results dict that render() prints."""
@@ -99,6 +105,13 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
                                     clock=clock)
         results["timing"][md] = summarize_timing(blocks)
         results["timing"][md]["blocks"] = blocks
+    if floor and not fairseq_only:
+        fcfg = TINY_FLOOR_MODEL if tiny else FLOOR_MODEL
+        info = model_info({"many-small-120": fcfg})["many-small-120"]
+        log(f"two-pass floor, many-small-120 ({info}): {cfg['floor_reps']} repeats x {cfg['floor_block']} updates")
+        results["floor"] = floor_ratios(fcfg, cfg["floor_reps"], cfg["floor_block"], cfg["warmup"], log=log,
+                                        clock=clock)
+        results["floor"].update(model="many-small-120", model_info=f"many-small-120 ({info})")
     state_methods = [m for m in methods] + [m for m in STATE_ONLY]
     results["state"] = {} if fairseq_only else state_table(models, state_methods)
     if memory and not fairseq_only:
@@ -133,6 +146,8 @@ def main(argv=None):
                     help="cpu: process CPU time (default; robust on a shared machine), wall: perf_counter")
     ap.add_argument("--no-fairseq", action="store_true", help="skip the fairseq-train comparison")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip SAM and VASSO over AdamW with two passes on 120 small tensors")
     ap.add_argument("--fairseq-only", action="store_true", help="only the fairseq-train comparison")
     ap.add_argument("--fairseq-reps", type=int, help="override the number of fairseq repeats")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
@@ -167,7 +182,8 @@ def main(argv=None):
         overrides["fs_reps"] = args.fairseq_reps
     t0 = time.time()
     results = run_all("quick" if args.quick else "full", models={k: pool[k] for k in args.models},
-                      threads=args.threads, fairseq=not args.no_fairseq, memory=not args.no_memory, tiny=args.tiny,
+                      threads=args.threads, fairseq=not args.no_fairseq, memory=not args.no_memory,
+                      floor=not args.no_floor, tiny=args.tiny,
                       workdir=args.workdir, overrides=overrides, clock=args.clock,
                       fairseq_only=args.fairseq_only,
                       log=lambda s: print(s, file=sys.stderr, flush=True),

@@ -53,8 +53,8 @@ else
         stage "building fairseq-fixed 0.12.3.1 against this torch (about 3 minutes on 2 idle cores)"
         pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
     fi
-    stage "installing this package with its fairseq, domainbed and test extras"
-    pipq --no-build-isolation -e ".[fairseq,domainbed,test]"
+    stage "installing this package with its fairseq, domainbed, test and slurm extras"
+    pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm]"
     echo "$stamp" > "$stamp_file"
 fi
 if [ "$WITH_DOMAINBED" = 1 ]; then

@@ -21,6 +21,9 @@ METHODS: Dict[str, tuple] = {
     "vasso": ("VASSO", "VASSO", {"rho": RHO, "theta": THETA}),
     "evasso": (f"eVASSO(p={P_EFFICIENT:g})", "VASSO", {"rho": RHO, "theta": THETA, "p": P_EFFICIENT}),
 }
+# the floor of the per-step overhead: AdamW running the same two forward/backward passes as
+# SAM and VASSO (timed against them only, on FLOOR_MODEL)
+FLOOR_METHODS = {"adamw-2pass": ("AdamW, two passes", None, {})}
 # state only (no timing): eVASSO without the stability diagnostic's buffer
 STATE_ONLY = {
     "evasso-nostab": (f"eVASSO(p={P_EFFICIENT:g}, track_stability=False)", "VASSO",
@@ -33,6 +36,10 @@ MODELS: Dict[str, Dict[str, Any]] = {
                         dropout=0.1),
     "many-small": dict(kind="many-small", blocks=150, width=32, batch=64),
 }
+# 30 x [Linear(32, 32), LayerNorm(32)], no head: 120 small tensors, where the wrapper's per-step
+# bookkeeping shows against AdamW with the same two passes (issue 10's targets)
+FLOOR_MODEL: Dict[str, Any] = dict(kind="many-small", blocks=30, width=32, batch=64, head=False)
+TINY_FLOOR_MODEL: Dict[str, Any] = dict(kind="many-small", blocks=3, width=4, batch=3, head=False)
 # for the tests: seconds, not minutes
 TINY_MODELS: Dict[str, Dict[str, Any]] = {
     "transformer": dict(kind="transformer", vocab=50, d=16, layers=1, heads=2, ff=32, batch=2, seq=5, dropout=0.1),
@@ -62,11 +69,11 @@ class TinyTransformerLM(torch.nn.Module):
 class ManySmall(torch.nn.Module):
     """A deep residual stack of tiny Linear + LayerNorm blocks: 4 tensors per block."""
 
-    def __init__(self, blocks, width, **_):
+    def __init__(self, blocks, width, head=True, **_):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.LayerNorm(width)) for _ in range(blocks))
-        self.head = torch.nn.Linear(width, 10)
+        self.head = torch.nn.Linear(width, 10) if head else torch.nn.Identity()  # without: width classes
 
     def forward(self, x):
         for block in self.blocks:
@@ -90,7 +97,7 @@ def build(model_cfg: Dict[str, Any], seed: int = 0):
         model = ManySmall(**model_cfg)
         g = torch.Generator().manual_seed(seed + 1)
         x = torch.randn(model_cfg["batch"], model_cfg["width"], generator=g)
-        y = torch.randint(0, 10, (model_cfg["batch"],), generator=g)
+        y = torch.randint(0, min(10, model_cfg["width"]), (model_cfg["batch"],), generator=g)
 
         def loss_fn():
             return torch.nn.functional.cross_entropy(model(x), y)
@@ -101,7 +108,7 @@ def build(model_cfg: Dict[str, Any], seed: int = 0):
 
 
 def make_optimizer(method: str, model: torch.nn.Module):
-    label, cls_name, kw = {**METHODS, **STATE_ONLY}[method]
+    label, cls_name, kw = {**METHODS, **STATE_ONLY, **FLOOR_METHODS}[method]
     if cls_name is None:
         return torch.optim.AdamW(model.parameters(), **BASE_KW)
     return getattr(plugins, cls_name)(model.parameters(), torch.optim.AdamW, **kw, **BASE_KW)

@@ -17,7 +17,10 @@ TARGETS_TEXT = {
     "evasso_over_base": "eVASSO / AdamW <= 1 + p + 0.1",
     "sa_share": "SA work outside fwd/bwd <= 5% of an update (transformer)",
     "vasso_state": "VASSO extra state == 1 parameter-sized buffer",
+    "sam_over_floor": "SAM / AdamW with the same two passes <= 1.20",
+    "vasso_over_floor": "VASSO / AdamW with the same two passes <= 1.25",
 }
+FLOOR_LIMITS = {"sam": 1.20, "vasso": 1.25}
 
 
 def machine_info(threads: int) -> Dict[str, Any]:
@@ -102,6 +105,13 @@ def target_rows(results: Dict[str, Any]) -> List[List[str]]:
             if v is not None:
                 rows.append([TARGETS_TEXT["sam_over_base"].replace("SAM / AdamW", label), where, _fmt(v),
                              _verdict(v <= 2.1 if math.isfinite(v) else None)])
+    floor = results.get("floor") or {}
+    for m in ("sam", "vasso"):
+        v = floor.get(f"{m}_over_floor")
+        if v is not None:
+            rows.append([TARGETS_TEXT[f"{m}_over_floor"], f"{floor.get('model', 'many-small-120')}",
+                         _fmt(v) + spread(floor.get(f"{m}_over_floor_iqr")),
+                         _verdict(v <= FLOOR_LIMITS[m] if math.isfinite(v) else None)])
     state = results.get("state", {})
     for md, per in state.items():
         v = per.get("vasso")
@@ -157,6 +167,18 @@ def render(results: Dict[str, Any]) -> str:
         out += ["", "SA work = update - fwd+bwd - base step (perturbation, EMA, restore, RNG replay, glue); "
                     "outside fwd/bwd also counts the base step. Model sizes: "
                 + "; ".join(f"{md}: {results['model_info'][md]}" for md in timing), ""]
+
+    floor = results.get("floor")
+    if floor:
+        out += ["### Per-step overhead over the two-pass floor", "",
+                f"{floor.get('model_info', '')}: SAM and VASSO (defaults, diagnostics on, `opt.diagnostics` read "
+                "after every step) against AdamW running the same two forward/backward passes, "
+                f"{floor['repeats']} interleaved repeats of {floor['block']} updates, ratios paired within a "
+                "repeat, medians: " + ", ".join(f"{k} {_fmt(v, '.2f')} ms" for k, v in floor["ms"].items()) + ".", ""]
+        for m in ("sam", "vasso"):
+            out.append(f"- {METHODS[m][0]} / AdamW with two passes = {_fmt(floor[f'{m}_over_floor'])} "
+                       f"(per repeat: {', '.join(_fmt(x, '.3f') for x in floor[f'{m}_over_floor_all'])})")
+        out.append("")
 
     state = results.get("state", {})
     mem = results.get("memory", {})

@@ -190,3 +190,25 @@ def test_fairseq_from_parts(fsbench):
         statistics.median([(2 * 1.1 + 0.12) / (1.1 + 0.1), (2 * 2.2 + 0.12) / (2.2 + 0.1)]))
     assert out["rest_ms"]["adam"] == pytest.approx(100.0) and out["rest_ms"]["vasso"] == pytest.approx(120.0)
     assert fsbench.fairseq_from_parts({"vasso": vasso}, skip=0) == {}
+
+
+def test_floor_verdicts():
+    results = {"floor": {"sam_over_floor": 1.19, "vasso_over_floor": 1.26, "model": "many-small-120",
+                         "sam_over_floor_iqr": [1.1, 1.2], "vasso_over_floor_iqr": [1.2, 1.3]}}
+    T = report.TARGETS_TEXT
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in report.target_rows(results)}
+    assert rows[(T["sam_over_floor"], "many-small-120")] == ("1.190 (IQR 1.10-1.20)", "PASS")
+    assert rows[(T["vasso_over_floor"], "many-small-120")] == ("1.260 (IQR 1.20-1.30)", "MISS")
+
+
+def test_tiny_floor_run():
+    cfg = models.TINY_FLOOR_MODEL
+    model, _ = models.build(cfg)
+    assert len(list(model.parameters())) == 4 * cfg["blocks"]  # Linear + LayerNorm per block, no head
+    assert len(list(models.build(models.FLOOR_MODEL)[0].parameters())) == 120
+    out = timing.floor_ratios(cfg, reps=3, block=1, warmup=1, clock="wall")
+    for m in ("sam", "vasso"):
+        assert len(out[f"{m}_over_floor_all"]) == 3 and out[f"{m}_over_floor"] > 0
+    assert set(out["ms"]) == {"adamw-2pass", "sam", "vasso"}
+    runner = timing.Runner("adamw-2pass", cfg, clock="wall")
+    assert runner.block(2)["passes"] == 2.0  # the floor runs both passes, as SAM and VASSO do

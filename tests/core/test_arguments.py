@@ -76,3 +76,43 @@ def test_explicit_api_misuse_is_caught():
         opt.state_dict()
     opt.descend()
     opt.state_dict()
+
+
+@pytest.mark.parametrize("knob, value, needle", [
+    ("rho", -1, "rho must be in [0, inf), got -1"),
+    ("theta", 0.0, "theta must be in (0, 1], got 0.0"),
+    ("p", "0.5", "p must be a real number in [0, 1]"),
+    ("adaptive", 1, "adaptive must be True or False"),
+    ("seed", 0.5, "seed must be an integer"),
+])
+def test_the_validator_names_the_knob_and_its_range(knob, value, needle):
+    from plugins.validation import check
+
+    with pytest.raises(ValueError) as info:
+        check(knob, value)
+    assert needle in str(info.value)
+
+
+def test_the_validator_speaks_each_hosts_vocabulary():
+    from plugins.validation import Range, check
+
+    with pytest.raises(ValueError, match=r"^--rho must be in \[0, inf\), got -1.0$"):
+        check("rho", "-1", name="--rho", parse=True)
+    with pytest.raises(ValueError, match=r"^--theta must be a real number in \(0, 1\], got 'x'$"):
+        check("theta", "x", name="--theta", parse=True)
+    with pytest.raises(ValueError, match=r"^p must be in \(0, 1\], got 0$"):
+        check("p", 0, within=Range(0.0, 1.0, "(]"))
+    with pytest.raises(ValueError, match="adaptive must be true or false"):
+        check("adaptive", "yes", words=("true", "false"))
+    assert check("rho", "0.25", parse=True) == 0.25 and check("rho_min", None) is None
+
+
+def test_every_constructor_knob_is_in_the_validators_table():
+    import inspect
+
+    from plugins import SharpnessAware
+    from plugins.validation import KNOBS
+
+    knobs = [n for n, p in inspect.signature(SharpnessAware).parameters.items()
+             if p.kind == p.KEYWORD_ONLY or n == "rho"]
+    assert knobs and all(k in KNOBS for k in knobs), [k for k in knobs if k not in KNOBS]

@@ -1,5 +1,6 @@
-"""Item 9: bad flag values make fairseq-train exit non-zero before training, with a
-message naming the flag and its range.  Also: the flags show in --help."""
+"""Item 9: bad flag values make fairseq-train exit non-zero before it builds the task,
+model or data, with one line naming the flag and its range.  Also: the flags show in
+--help."""
 
 import pytest
 
@@ -14,8 +15,13 @@ def test_bad_flag_exits_nonzero_before_training(toy_data, tmp_path, fs):
     """The real command line (one process): --rho -1."""
     out = fs.run_cli("fairseq_cli.train", fs.model_args(toy_data, tmp_path) + ["--rho", "-1"])
     text = out.stdout + out.stderr
-    assert out.returncode != 0, text[-2000:]
-    assert "ValueError: --rho must be in [0, inf), got -1.0" in text, text[-2000:]
+    assert out.returncode == 2, text[-2000:]
+    assert "error: --rho must be in [0, inf), got -1.0" in text, text[-2000:]
+    # one line, the last (no traceback, no usage text)
+    assert "Traceback" not in text and "usage:" not in text, out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("error: --rho must be in [0, inf), got -1.0")
+    # refused before fairseq set up the task (dictionaries) or built the model
+    assert "dictionary:" not in text and "num. shared model params" not in text, text[-2000:]
     assert "begin training epoch" not in text and "train_inner" not in text
     assert not (tmp_path / "checkpoint_last.pt").exists()
 
@@ -28,14 +34,29 @@ def test_bad_flag_exits_nonzero_before_training(toy_data, tmp_path, fs):
     (["--optimizer", "sam", "--adaptive", "--adaptive-eta", "-1"], "--adaptive-eta"),
     (["--optimizer", "vasso", "--perturb-prob", "-0.5"], "--perturb-prob"),
     (["--optimizer", "vasso", "--rho", "nan"], "--rho"),
+    (["--optimizer", "vasso", "--rho", "0.1", "--rho-min", "0.2"], "--rho-min"),
+    (["--optimizer", "sam", "--rho-min", "-1"], "--rho-min"),
+    (["--optimizer", "sam", "--weight-decay", "-1"], "--weight-decay"),
 ])
-def test_bad_flags_in_process(toy_data, tmp_path, fs, flags, name):
-    """The same code path in this process (fairseq_cli.train.main): raised before training."""
-    with pytest.raises(ValueError, match=name.replace("-", r"\-") + " must be in") as info:
+def test_bad_flags_in_process(toy_data, tmp_path, fs, flags, name, capsys):
+    """The same code path in this process: refused while the command line is parsed."""
+    with pytest.raises(SystemExit) as info:
         run = None
         run = fs.train(fs.model_args(toy_data, tmp_path) + flags)
-    assert run is None and "got" in str(info.value)
+    assert run is None and info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and f"error: {name} must be in" in err[-1] and "got" in err[-1], err
     assert not (tmp_path / "checkpoint_last.pt").exists()
+
+
+def test_bad_flag_in_a_config_that_bypasses_the_command_line(toy_data, tmp_path, fs):
+    """Configs built without argparse (hydra) meet the same check when the trainer is built."""
+    from fairseq_vasso.trainer_hooks import check_config
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"optimizer": {"_name": "vasso", "rho": 0.1, "rho_min": 0.5, "theta": 0.4}})
+    with pytest.raises(ValueError, match=r"--rho-min must be in \[0, 0.1\], got 0.5"):
+        check_config(cfg)
 
 
 def test_theta_is_a_vasso_flag_only(toy_data, tmp_path, fs):

@@ -1,0 +1,181 @@
+"""The one second-pass protocol (``opt.second_pass(model, rng)``) and the host
+synchronizations of a step."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from plugins import SAM, VASSO
+from plugins.perturbation import rng_state
+from core_helpers import build, closure_for, first_backward, flat, make_batches, make_model
+
+
+def bn_closure(opt, model, x, y, counted):
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        counted.append(int(model[1].num_batches_tracked))
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize("cls", [SAM, VASSO])
+def test_step_with_model_takes_batchnorm_statistics_from_the_first_pass_only(cls):
+    x, y = make_batches(1)[0]
+    model = make_model(batchnorm=True)
+    opt = cls(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1)
+    counted = []
+    bn = model[1]
+    opt.step(bn_closure(opt, model, x, y, counted), model=model)
+    assert counted == [1, 1]  # the second call did not count a batch
+    # the running statistics are exactly those of one forward at x_t
+    reference = make_model(batchnorm=True)
+    reference(x)
+    assert torch.equal(bn.running_mean, reference[1].running_mean)
+    assert torch.equal(bn.running_var, reference[1].running_var)
+    assert bn.track_running_stats
+
+
+def test_step_without_model_keeps_the_old_behaviour():
+    x, y = make_batches(1)[0]
+    model = make_model(batchnorm=True)
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1)
+    counted = []
+    opt.step(bn_closure(opt, model, x, y, counted))
+    assert counted == [1, 2]  # closure users who pass no model: BatchNorm counts both passes
+
+
+def test_second_pass_replays_rng_and_sets_the_flag():
+    model = make_model(dropout=0.5)
+    opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.0, lr=0.1)
+    x, y = make_batches(1)[0]
+    rng = rng_state()
+    first = torch.nn.functional.cross_entropy(model(x), y)
+    first.backward()
+    assert opt.perturb()
+    opt.zero_grad()
+    assert not opt.in_second_pass
+    with opt.second_pass(model, rng):
+        assert opt.in_second_pass
+        second = torch.nn.functional.cross_entropy(model(x), y)  # same dropout masks, rho = 0
+        second.backward()
+    assert not opt.in_second_pass
+    assert second.item() == first.item()
+    assert opt.descend()
+
+
+def test_second_pass_abandons_the_step_on_an_exception():
+    model = make_model(batchnorm=True)
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1)
+    x, y = make_batches(1)[0]
+    first_backward(model, x, y)
+    before = flat(model.parameters())
+    assert opt.perturb() and opt.in_flight
+    with pytest.raises(KeyboardInterrupt):
+        with opt.second_pass(model):
+            raise KeyboardInterrupt
+    assert not opt.in_flight and not opt.in_second_pass
+    assert model[1].track_running_stats
+    assert torch.allclose(flat(model.parameters()), before, rtol=0, atol=1e-6)
+    first_backward(model, x, y)
+    assert opt.perturb()  # the next step starts cleanly
+    opt.descend()
+
+
+def test_second_pass_needs_a_perturbation():
+    model = make_model()
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, p=0.0)
+    first_backward(model, *make_batches(1)[0])
+    assert not opt.perturb()
+    with pytest.raises(RuntimeError, match="only when perturb\\(\\) returned True"):
+        with opt.second_pass(model):
+            pass
+    opt.descend()
+
+
+def test_closure_exception_in_the_second_pass_restores_x():
+    model = make_model()
+    opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1)
+    x, y = make_batches(1)[0]
+    calls = []
+
+    def closure():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return closure_for(opt, model, x, y)()
+
+    before = flat(model.parameters())
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step(closure)
+    assert not opt.in_flight
+    assert torch.allclose(flat(model.parameters()), before, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ host synchronizations
+
+SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
+         torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+class CountSyncs(TorchFunctionMode):
+    """Counts the calls that copy a tensor's value to the host (a device sync on GPUs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def syncs_per_step(opt, model, batches, **step_kw):
+    """Host syncs of ``opt.step`` beyond the base optimizer's own (AdamW reads its step count)."""
+    base_step = opt.base_optimizer.step
+    base_counts = []
+
+    def counted_base_step(*a, **k):
+        with CountSyncs() as inner:
+            out = base_step(*a, **k)
+        base_counts.append(inner.count)
+        return out
+
+    opt.base_optimizer.step = counted_base_step
+    counts = []
+    for x, y in batches:
+        closure = closure_for(opt, model, x, y)
+        with CountSyncs() as mode:
+            opt.step(closure, **step_kw)
+        _ = dict(opt.diagnostics)  # plain floats: reading them costs nothing more
+        counts.append(mode.count)
+    opt.base_optimizer.step = base_step
+    return counts, base_counts
+
+
+# The documented figures (docs/design.md, section 7): perturb() 1, descend() 1, the closure's
+# loss gap 1; VASSO's first step, which creates d_0 = g_0, one more (||d_0||).
+@pytest.mark.parametrize("kind, first, per_step", [("SAM", 3, 3), ("VASSO", 4, 3), ("GSAM", 3, 3), ("V+G", 4, 3)])
+def test_host_synchronizations_per_step(kind, first, per_step):
+    model = make_model(dropout=0.1)
+    opt = build(kind, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1)
+    counts, base_counts = syncs_per_step(opt, model, make_batches(6))
+    own = [c - b for c, b in zip(counts, base_counts)]
+    assert own == [first] + [per_step] * 5, (counts, base_counts)
+
+
+def test_host_synchronizations_of_a_skipped_step():
+    model = make_model()
+    opt = SAM(model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1, p=0.0)
+    counts, base_counts = syncs_per_step(opt, model, make_batches(3))
+    assert [c - b for c, b in zip(counts, base_counts)] == [1] * 3  # the finiteness of g_t only
+
+
+def test_sync_counter_sees_a_sync():
+    """The counter is not blind: a known .item() shows."""
+    with CountSyncs() as mode:
+        torch.ones(()).item()
+        float(torch.ones(()))
+    assert mode.count == 2

@@ -1,0 +1,152 @@
+"""rho in the param groups (one value, a scheduler may change it) and GSAM's rho schedule."""
+
+import copy
+
+import pytest
+import torch
+
+from plugins import SAM, VASSO
+from plugins.perturbation import scheduled_rho
+from core_helpers import build, closure_for, flat, make_batches, make_model
+
+
+def test_every_group_holds_rho_and_the_step_uses_it():
+    model = make_model()
+    opt = VASSO([{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 0.01}],
+                torch.optim.SGD, rho=0.1, lr=0.1)
+    assert [g["rho"] for g in opt.param_groups] == [0.1, 0.1] and opt.rho == 0.1
+    for g in opt.param_groups:  # what a scheduler does
+        g["rho"] = 0.3
+    x, y = make_batches(1)[0]
+    before = flat(model.parameters())
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert opt.perturb()
+    assert (flat(model.parameters()) - before).norm().item() == pytest.approx(0.3, rel=1e-5)
+    assert opt.diagnostics["rho"] == 0.3
+    opt.descend()
+    opt.rho = 0.05
+    assert [g["rho"] for g in opt.param_groups] == [0.05, 0.05]
+
+
+def test_groups_that_disagree_are_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="rho must be the same in every param group"):
+        SAM([{"params": model[0].parameters(), "rho": 0.2}, {"params": model[3].parameters()}],
+            torch.optim.SGD, rho=0.1, lr=0.1)
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert opt.param_groups[1]["rho"] == 0.1  # a new group gets the common value
+    opt.param_groups[1]["rho"] = 0.5
+    with pytest.raises(ValueError, match="group 0: 0.1, group 1: 0.5"):
+        opt.step(closure_for(opt, model, *make_batches(1)[0]))
+    opt.param_groups[0]["rho"] = -1.0
+    opt.param_groups[1]["rho"] = -1.0
+    with pytest.raises(ValueError, match="rho must be in \\[0, inf\\)"):
+        opt.step(closure_for(opt, model, *make_batches(1)[0]))
+
+
+def test_scheduled_rho_is_the_gsam_formula():
+    assert scheduled_rho(0.2, 0.05, 1e-3, 1e-3, 0.0) == 0.2
+    assert scheduled_rho(0.2, 0.05, 0.0, 1e-3, 0.0) == 0.05
+    assert scheduled_rho(0.2, 0.05, 4e-4, 1e-3, 2e-4) == pytest.approx(0.05 + 0.15 * 2e-4 / 8e-4)
+
+
+def lr_lambda(step):
+    return min(1.0, (step + 1) / 5) * 0.9 ** max(0, step - 5)  # warmup, then decay
+
+
+def test_schedule_follows_the_lr_against_the_formula():
+    model = make_model()
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.2, rho_min=0.02, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    seen = set()
+    for x, y in make_batches(15):
+        lr = opt.param_groups[0]["lr"]
+        opt.step(closure_for(opt, model, x, y))
+        expected = 0.02 + (0.2 - 0.02) * lr / 0.1
+        assert opt.diagnostics["rho"] == pytest.approx(expected, rel=1e-12)
+        assert opt.diagnostics["ascent_norm"] == pytest.approx(expected, rel=1e-12)
+        seen.add(round(expected, 6))
+        sched.step()
+    assert len(seen) >= 10  # it did move
+
+
+def test_schedule_options_are_checked():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"rho_min must be in \[0, 0.1\], got 0.2"):
+        VASSO(model.parameters(), torch.optim.SGD, rho=0.1, rho_min=0.2, lr=0.1)
+    with pytest.raises(ValueError, match="lr_max must be in"):
+        VASSO(model.parameters(), torch.optim.SGD, rho=0.1, rho_min=0.0, lr=0.1, lr_min=0.2)
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.1, rho_min=0.0, lr=0.1, lr_min=0.05)
+    opt.param_groups[0]["lr"] = 0.01  # below lr_min: rho_t would be negative
+    with pytest.raises(ValueError, match="lr fell below lr_min"):
+        opt.step(closure_for(opt, model, *make_batches(1)[0]))
+    assert not opt.in_flight
+
+
+def run(opt, sched, model, batches):
+    for x, y in batches:
+        opt.step(closure_for(opt, model, x, y))
+        sched.step()
+
+
+@pytest.mark.parametrize("cls", [SAM, VASSO])
+def test_resume_mid_schedule_is_bit_exact(cls):
+    batches = make_batches(16)
+
+    def fresh():
+        model = make_model(dropout=0.2)
+        opt = cls(model.parameters(), torch.optim.AdamW, rho=0.2, rho_min=0.05, lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+    torch.manual_seed(5)
+    model, opt, sched = fresh()
+    run(opt, sched, model, batches)
+    expected = flat(model.parameters())
+
+    torch.manual_seed(5)
+    model, opt, sched = fresh()
+    run(opt, sched, model, batches[:7])
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict(), torch.get_rng_state()))
+    model, opt, sched = fresh()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    sched.load_state_dict(saved[2])
+    torch.set_rng_state(saved[3])
+    assert opt.current_rho() == pytest.approx(0.05 + 0.15 * opt.param_groups[0]["lr"] / 1e-2)
+    run(opt, sched, model, batches[7:])
+    assert torch.equal(flat(model.parameters()), expected)
+
+
+def test_state_dict_from_before_rho_lived_in_the_groups_loads():
+    model = make_model()
+    opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+    opt.step(closure_for(opt, model, *make_batches(1)[0]))
+    old = opt.state_dict()
+    for g in old["base_optimizer"]["param_groups"]:
+        del g["rho"]
+    opt2 = VASSO(model.parameters(), torch.optim.SGD, rho=0.3, lr=0.1)
+    opt2.load_state_dict(old)
+    assert [g["rho"] for g in opt2.param_groups] == [0.3]
+
+
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])
+def test_rho_zero_with_the_schedule_is_the_base_optimizer_bit_for_bit(kind):
+    batches = make_batches(10)
+    base_model = make_model(dropout=0.3)
+    base = torch.optim.AdamW(base_model.parameters(), lr=1e-2)
+    base_sched = torch.optim.lr_scheduler.LambdaLR(base, lr_lambda)
+    torch.manual_seed(1)
+    run(base, base_sched, base_model, batches)
+    model = make_model(dropout=0.3)
+    opt = build(kind, model.parameters(), torch.optim.AdamW, rho=0.0, rho_min=0.0, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    torch.manual_seed(1)
+    run(opt, sched, model, batches)
+    assert torch.equal(flat(model.parameters()), flat(base_model.parameters()))
+
+
+def test_sam_refuses_theta_with_a_clear_message():
+    with pytest.raises(ValueError, match="SAM takes no theta.*VASSO"):
+        SAM(make_model().parameters(), torch.optim.AdamW, theta=0.4)
