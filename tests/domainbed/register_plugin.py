@@ -6,7 +6,7 @@ modules are imported (they parametrize over ``algorithms.ALGORITHMS`` at import 
   tell a failure of DomainBed in this environment from one that register() causes).
 * DomainBed's tests call ``.cuda()`` throughout; without CUDA, ``Tensor.cuda`` and
   ``Module.cuda`` return the CPU object, so that they run on the CPU.
-* ``VASSO_SUITE_DEBUG224=ERM,SAM,...``: run ``test_init_update_predict`` on Debug224
+* ``VASSO_SUITE_DEBUG224=VASSO,...``: run ``test_init_update_predict`` on Debug224
   (a ResNet-50 per algorithm, minutes each on a CPU) for these algorithms only; every
   algorithm still runs it on Debug28.
 """
