@@ -30,6 +30,9 @@ def register(*, apply_environment=True):
       and their names appended to ``ALGORITHMS`` (collect_results' row order);
     * ``domainbed.hparams_registry``: their hparams (ERM's, plus the knobs of
       :mod:`domainbed_vasso.hparams`), for ``default_hparams`` and ``random_hparams``;
+    * ``domainbed.datasets``: ``RotatedDigits`` (no download), with registry entries for
+      every algorithm; not in ``DATASETS``, so default sweeps and DomainBed's own loops
+      over datasets stay DomainBed's (see :mod:`domainbed_vasso.digits_dataset`);
     * with ``apply_environment``: ``DOMAINBED_VASSO_NUM_WORKERS`` (loader workers) and
       ``DOMAINBED_VASSO_RESNET_WEIGHTS`` (offline ResNet weights), when set.
 
@@ -43,6 +46,7 @@ def register(*, apply_environment=True):
     from domainbed.lib import misc
 
     from . import algorithms as ours
+    from . import digits_dataset  # RotatedDigits (scikit-learn's digits; docs/domainbed.md)
 
     for name in ALGORITHMS:
         cls = getattr(ours, name)
@@ -59,11 +63,16 @@ def register(*, apply_environment=True):
     if not getattr(registry._hparams, "_domainbed_vasso_wrapped", False):
         original = registry._hparams
 
+        def _stock(algorithm, dataset, random_seed):
+            if dataset == digits_dataset.NAME:  # small images, MLP featurizer
+                return digits_dataset.registry_hparams(original, algorithm, random_seed, misc.seed_hash)
+            return original(algorithm, dataset, random_seed)
+
         def _hparams(algorithm, dataset, random_seed):
             if algorithm not in hp.SPECS:
-                return original(algorithm, dataset, random_seed)
+                return _stock(algorithm, dataset, random_seed)
             # ERM's entries, drawn per name, hence equal to ERM's for this seed.
-            out = original("ERM", dataset, random_seed)
+            out = _stock("ERM", dataset, random_seed)
             own = hp.own_hparams(algorithm, random_seed, misc.seed_hash)
             clash = sorted(set(out) & set(own))
             if clash:
@@ -77,7 +86,6 @@ def register(*, apply_environment=True):
         _hparams.__doc__ = original.__doc__
         registry._hparams = _hparams
 
-    from . import digits_dataset  # RotatedDigits (scikit-learn's digits; docs/digits_results.md)
     digits_dataset.register(datasets)
     from .slurm import register_launcher  # --command_launcher slurm (submitit)
     register_launcher()

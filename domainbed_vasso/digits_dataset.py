@@ -21,9 +21,12 @@ digits. Differences from RotatedMNIST, all for the sake of a CPU:
   domain still follows the trial seed);
 * the 8x8 images are flattened: ``input_shape = (64,)``, so DomainBed picks its MLP
   featurizer. That featurizer reads ``mlp_width``, ``mlp_depth`` and ``mlp_dropout``,
-  which DomainBed's registry defines for DANN/CDANN only: pass them with ``--hparams``
-  (as above). DomainBed's registry also gives datasets outside its SMALL_IMAGES list
-  the big-image ``lr`` (5e-5) and ``batch_size`` (32): set them too;
+  which DomainBed's registry defines for DANN/CDANN only; :func:`registry_hparams`
+  (applied by ``register()``) gives every algorithm on RotatedDigits those three, with
+  the defaults and search ranges DomainBed gives DANN, and the registry entries of
+  RotatedMNIST (DomainBed's small-image ``lr`` 1e-3, ``batch_size`` 64, no weight
+  decay) instead of the big-image ones any unknown dataset would get. The sweep above
+  overrides some of them with ``--hparams``, as any DomainBed sweep may;
 * ``N_WORKERS = 0`` (the tensors are in memory), ``N_STEPS = 301`` (about 50 epochs
   of each training domain at batch 64), ``CHECKPOINT_FREQ = 50``. Run the children
   with ``OMP_NUM_THREADS=1``: with torch's default threads on a busy 2-core machine
@@ -82,14 +85,50 @@ def make_dataset_class(base):
     return RotatedDigits
 
 
+NAME = "RotatedDigits"
+
+#: The stock dataset whose registry entries RotatedDigits takes: both are rotated small
+#: images, and DomainBed's registry only tells small images (its SMALL_IMAGES) from big.
+HPARAMS_LIKE = "RotatedMNIST"
+
+#: The MLP featurizer's hparams: (name, default, random draw), DomainBed's values for DANN.
+MLP_HPARAMS = (
+    ("mlp_width", 256, lambda r: int(2 ** r.uniform(6, 10))),
+    ("mlp_depth", 3, lambda r: int(r.choice([3, 4, 5]))),
+    ("mlp_dropout", 0.0, lambda r: float(r.choice([0.0, 0.1, 0.5]))),
+)
+
+
+def registry_hparams(stock_hparams, algorithm, random_seed, seed_hash):
+    """DomainBed's ``_hparams(algorithm, "RotatedDigits", random_seed)``: the entries of
+    ``stock_hparams(algorithm, HPARAMS_LIKE, random_seed)`` plus, where the algorithm
+    defines none, the MLP featurizer's, each drawn from
+    ``RandomState(seed_hash(random_seed, name))`` as DomainBed draws its own."""
+    out = stock_hparams(algorithm, HPARAMS_LIKE, random_seed)
+    for name, default, random_fn in MLP_HPARAMS:
+        if name not in out:
+            out[name] = (default, random_fn(np.random.RandomState(seed_hash(random_seed, name))))
+    return out
+
+
 def register(datasets_module):
-    """Add ``RotatedDigits`` to DomainBed's ``datasets`` module (``get_dataset_class``
-    looks names up in its globals; ``DATASETS`` orders collect_results); idempotent."""
-    existing = vars(datasets_module).get("RotatedDigits")
+    """Make ``RotatedDigits`` a DomainBed dataset (``get_dataset_class`` and
+    ``num_environments`` look names up in the module's globals); idempotent.
+
+    It does not join ``datasets.DATASETS``: that list is DomainBed's default for a
+    sweep without ``--datasets`` and the loop of DomainBed's own tests, and both should
+    stay what DomainBed users know. ``python -m domainbed_vasso.collect_results`` adds
+    it to the list in its own process, since collect_results prints only listed names.
+    """
+    existing = vars(datasets_module).get(NAME)
     if existing is None or not getattr(existing, "_domainbed_vasso", False):
         cls = make_dataset_class(datasets_module.MultipleDomainDataset)
         cls._domainbed_vasso = True
-        datasets_module.RotatedDigits = cls
-    if "RotatedDigits" not in datasets_module.DATASETS:
-        datasets_module.DATASETS.append("RotatedDigits")
-    return datasets_module.RotatedDigits
+        setattr(datasets_module, NAME, cls)
+    return getattr(datasets_module, NAME)
+
+
+def list_in_datasets(datasets_module):
+    """Append ``RotatedDigits`` to ``datasets.DATASETS`` in this process (for tables); idempotent."""
+    if NAME not in datasets_module.DATASETS:
+        datasets_module.DATASETS.append(NAME)

@@ -49,6 +49,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from . import perturbation as P
+from .named_params import normalize_param_group, normalize_param_groups
 from .validation import Closure, Params, Range, check
 
 __all__ = ["SharpnessAware", "SAM", "VASSO"]
@@ -135,6 +136,8 @@ class SharpnessAware(torch.optim.Optimizer):
                  adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0,
                  seed: int = 0, rho_min: Optional[float] = None, lr_max: Optional[float] = None,
                  lr_min: float = 0.0, track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
+        # (name, tensor) pairs -> "param_names" here, as torch >= 2.5 does: older torch refuses them
+        params = normalize_param_groups(params)
         rho = check("rho", rho)
         self.theta = None if theta is None else check("theta", theta)
         self.adaptive = check("adaptive", adaptive)
@@ -189,6 +192,7 @@ class SharpnessAware(torch.optim.Optimizer):
     # ------------------------------------------------------------------ plumbing
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        param_group = normalize_param_group(param_group)
         if hasattr(self, "base_optimizer"):
             self.base_optimizer.add_param_group(param_group)
             self._group_rho()

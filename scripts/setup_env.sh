@@ -1,21 +1,64 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment, idempotently.
-#   bash scripts/setup_env.sh            -> .venv with torch, torchvision, fairseq, this package
+#   bash scripts/setup_env.sh                    -> .venv with torch, torchvision, fairseq, this package
+#   bash scripts/setup_env.sh --with-domainbed   -> the same, plus DomainBed at the tested commit,
+#                                                   importable in .venv (scripts/install_domainbed.sh)
+#   bash scripts/setup_env.sh --with-domainbed=/path/to/DomainBed[@COMMIT]   (a checkout or tarball)
 # VENV=path picks another location, PYTHON=python3.x another interpreter.
 # The order matters: fairseq-fixed compiles against the torch it finds, so torch comes
 # first and fairseq is built without build isolation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_DOMAINBED=0
+DOMAINBED_SOURCE=""
+for arg in "$@"; do
+    case "$arg" in
+        --with-domainbed) WITH_DOMAINBED=1 ;;
+        --with-domainbed=*) WITH_DOMAINBED=1; DOMAINBED_SOURCE=${arg#--with-domainbed=} ;;
+        -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "setup_env.sh: unknown argument $arg (expected --with-domainbed[=/path/to/DomainBed[@COMMIT]])" >&2; exit 2 ;;
+    esac
+done
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+START=$SECONDS
+stage() { echo "[setup $((SECONDS - START)) s] $*"; }
+
+[ -x "$VENV/bin/python" ] || { stage "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 py="$VENV/bin/python"
-pipq() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
+# pip -q, minus the "Location ... is ignored" lines some pip configurations print per package
+pipq() {
+    "$py" -m pip install -q --disable-pip-version-check --progress-bar off "$@" \
+        2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
+}
 has() { "$py" -c "import $1" >/dev/null 2>&1; }
 
-has torch && has torchvision || pipq torch==2.14.1 torchvision==0.29.1
-pipq setuptools wheel cython numpy
-# about 3 minutes of compiling the first time
-has fairseq || pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
-pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm]"
-"$py" -c "import torch, fairseq, plugins; print('environment ready: torch', torch.__version__, '| fairseq', fairseq.__version__, '| python', __import__('sys').version.split()[0])"
+# Nothing to do when this checkout's install recipe has not changed since the last full run.
+stamp_file="$VENV/.vasso-setup-stamp"
+stamp=$( (cat setup.cfg pyproject.toml scripts/setup_env.sh; pwd) | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && has torch && has fairseq && has plugins; then
+    stage "packages up to date (setup.cfg unchanged since the last setup)"
+else
+    if has torch && has torchvision; then
+        stage "torch and torchvision present"
+    else
+        stage "installing torch 2.14.1 and torchvision 0.29.1 (a large download the first time)"
+        pipq torch==2.14.1 torchvision==0.29.1
+    fi
+    stage "installing build tools (setuptools, wheel, cython, numpy)"
+    pipq setuptools wheel cython numpy
+    if has fairseq; then
+        stage "fairseq present"
+    else
+        stage "building fairseq-fixed 0.12.3.1 against this torch (about 3 minutes on 2 idle cores)"
+        pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
+    fi
+    stage "installing this package with its fairseq, domainbed, test and slurm extras"
+    pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm]"
+    echo "$stamp" > "$stamp_file"
+fi
+if [ "$WITH_DOMAINBED" = 1 ]; then
+    stage "installing DomainBed"
+    VENV=$VENV bash scripts/install_domainbed.sh ${DOMAINBED_SOURCE:+"$DOMAINBED_SOURCE"}
+fi
+"$py" -W ignore::FutureWarning -c "import torch, fairseq, plugins; print('[setup $((SECONDS - START)) s] environment ready: torch', torch.__version__, '| fairseq', fairseq.__version__, '| python', __import__('sys').version.split()[0])"

@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # The project's test command: set up the environment, then run the whole suite.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/core -x`).
-# DomainBed tests run when DOMAINBED_ROOT points at a DomainBed checkout, and skip otherwise.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -ra tests/core -x`).
+# DomainBed tests need a DomainBed checkout: DOMAINBED_ROOT, else ../shared/DomainBed
+# beside the repository (as CI has it), else one installed by
+# `bash scripts/setup_env.sh --with-domainbed`; without any, they skip and say so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+if [ -z "${DOMAINBED_ROOT:-}" ] && [ -f ../shared/DomainBed/domainbed/__init__.py ]; then
+    DOMAINBED_ROOT=$(cd ../shared/DomainBed && pwd)
+    export DOMAINBED_ROOT
+    echo "DomainBed tests use DOMAINBED_ROOT=$DOMAINBED_ROOT"
+fi
 # The tests use tiny models, often in several processes at once: one thread each
 # avoids OpenMP spinning against the other processes on small machines.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

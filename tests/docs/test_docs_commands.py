@@ -133,7 +133,7 @@ COMMANDS = classified(
     ("bash scripts/setup_env.sh && .venv/bin/python scripts/demo.py", substitute(
         "scripts/test.sh ran setup_env.sh before pytest; the full demo takes 5 to 18 minutes",
         {"bash scripts/setup_env.sh && ": ""}, append=TINY_DEMO, timeout=600, expect=("BLEU",))),
-    ("bash scripts/test.sh", check_only(
+    ("bash scripts/test.sh -ra", check_only(
         "the test command itself: CI runs it, and this test runs inside it",
         check="bash -n scripts/test.sh")),
     ("python: import torch", substitute(
@@ -157,7 +157,7 @@ COMMANDS = classified(
     (DOMAINBED_TRAIN, check_only(GPU_DOMAINBED, domainbed=True, expect=("--test_envs",))),
     (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
      "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
-     "--command_launcher multi_gpu",
+     "--command_launcher local",
      check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
     (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
 
@@ -195,19 +195,32 @@ COMMANDS = classified(
     ("git -C /path/to/DomainBed checkout b93c22a", check_only(
         "the test's DomainBed is a copy of b93c22a without git metadata, and shared: only git's presence",
         check="git --version")),
-    (".venv/bin/pip install wilds timm", run()),
     (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
      "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
-     "--command_launcher multi_gpu --hparams '{\"resnet50_augmix\": false, \"freeze_bn\": true}'",
+     "--command_launcher local --hparams '{\"resnet50_augmix\": false, \"freeze_bn\": true}'",
      check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
-    ("PYTHONPATH=$DOMAINBED_ROOT .venv/bin/python -m domainbed.scripts.collect_results --input_dir sweep/",
+    (".venv/bin/python -m domainbed_vasso.collect_results --input_dir sweep/",
      check_only(FINISHED_SWEEP, domainbed=True, expect=("--input_dir",))),
-    (".venv/bin/python -m pytest tests/domainbed", check_only(
-        COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/domainbed")),
-    ("DOMAINBED_ROOT=/path/to/DomainBed .venv/bin/python -m pytest tests/domainbed", check_only(
-        COLLECT_ONLY, domainbed=True,
-        check="DOMAINBED_ROOT={DOMAINBED_ROOT} .venv/bin/python -m pytest -q --collect-only tests/domainbed")),
-
+    (".venv/bin/pip install wilds timm", run()),
+    ("bash scripts/test.sh -ra tests/domainbed", check_only(
+        "sets up the environment, then runs a part of the suite that CI runs anyway",
+        check="bash -n scripts/test.sh && .venv/bin/python -m pytest -q --collect-only tests/domainbed")),
+    ("bash scripts/setup_env.sh --with-domainbed", check_only(
+        "scripts/test.sh ran setup_env.sh before pytest (and it clones from GitHub)",
+        check="bash -n scripts/setup_env.sh")),
+    ("bash scripts/setup_env.sh --with-domainbed=/path/to/DomainBed@b93c22a", check_only(
+        "scripts/test.sh ran setup_env.sh before pytest; it would change the test's environment",
+        check="bash -n scripts/setup_env.sh")),
+    (".venv/bin/python -m domainbed_vasso.train --data_dir ./unused --dataset RotatedDigits --algorithm VASSO "
+     "--test_envs 0 --output_dir out_digits/", check_only(
+        "not yet timed for CI by the docs test (a run() candidate)", domainbed=True,
+        expect=("--test_envs",))),
+    ("OMP_NUM_THREADS=1 .venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./unused "
+     "--output_dir sweep_digits/ --datasets RotatedDigits --algorithms ERM VASSO --n_hparams 1 --n_trials 1 "
+     "--command_launcher local --skip_confirmation", check_only(
+        "20 DomainBed jobs, about 8 minutes on 2 cores", domainbed=True, expect=("--command_launcher",))),
+    (".venv/bin/python -m domainbed_vasso.collect_results --input_dir sweep_digits/", check_only(
+        "reads the sweep above", domainbed=True, expect=("--input_dir",))),
     ("export DOMAINBED_VASSO_SLURM='{\"slurm_partition\": \"gpu\", \"gpus_per_node\": 1, "
      "\"cpus_per_task\": 8, \"mem_gb\": 32, \"timeout_min\": 240, \"slurm_array_parallelism\": 64}'", run()),
     ("export DOMAINBED_VASSO_RESNET_WEIGHTS=/shared/resnet50-0676ba61.pth", substitute(

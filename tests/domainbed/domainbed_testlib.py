@@ -7,9 +7,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SKIP_REASON = ("DomainBed not importable: set DOMAINBED_ROOT to a DomainBed checkout "
-               "(git clone https://github.com/facebookresearch/DomainBed; tested at b93c22a) "
-               "and pip install wilds timm")
+SKIP_REASON = ("DomainBed not importable: set DOMAINBED_ROOT to a DomainBed checkout at b93c22a "
+               "(scripts/test.sh uses ../shared/DomainBed beside the repository when it exists), or "
+               "install one into the venv with `bash scripts/setup_env.sh --with-domainbed[=/path/to/DomainBed]`")
 
 
 def _domainbed_root():

@@ -17,14 +17,34 @@ def clean_env(**extra):
     return env
 
 
-@pytest.mark.parametrize("module", ["domainbed_vasso.train", "domainbed_vasso.sweep"])
+# Runs a module with every sys.path entry that holds a ``domainbed`` package removed, so
+# that DomainBed is missing however this environment provides it (PYTHONPATH, a .pth file
+# from setup_env.sh --with-domainbed, site-packages).
+WITHOUT_DOMAINBED = (
+    "import os, runpy, sys\n"
+    "sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or '.', 'domainbed', '__init__.py'))]\n"
+    "module = sys.argv[1]; sys.argv = [module] + sys.argv[2:]\n"
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)\n")
+
+
+@pytest.mark.parametrize("module", ["domainbed_vasso.train", "domainbed_vasso.sweep",
+                                    "domainbed_vasso.collect_results"])
 def test_missing_domainbed_says_how_to_fix(module, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", module, "--algorithm", "VASSO"], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
-    if proc.returncode == 0 or "needs a DomainBed checkout" not in proc.stderr:
-        # DomainBed is installed in site-packages: nothing to test here
-        pytest.skip("DomainBed is importable without DOMAINBED_ROOT")
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_DOMAINBED, module, "--algorithm", "VASSO"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "neither on sys.path nor named by DOMAINBED_ROOT" in proc.stderr
+    assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_domainbed_root_at_an_empty_folder_says_how_to_fix(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_DOMAINBED, "domainbed_vasso.train"], cwd=tmp_path,
+                          env=clean_env(DOMAINBED_ROOT=str(empty)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
+    assert f"DOMAINBED_ROOT={empty} does not contain domainbed/__init__.py" in proc.stderr
     assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr
     assert "Traceback" not in proc.stderr
 
