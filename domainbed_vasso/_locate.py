@@ -18,8 +18,50 @@ ENV_WEIGHTS = "DOMAINBED_VASSO_RESNET_WEIGHTS"
 TESTED_COMMIT = "b93c22a1cfc3b2428398272c1a116c8de1f4139e"
 
 
+#: What this package itself imports (its hparams and algorithms), checked by the entry
+#: points before anything imports them.
+REQUIREMENTS = ("numpy", "torch")
+
+
 class DomainBedNotFound(ImportError):
     """DomainBed cannot be imported; the message says how to fix it."""
+
+
+# import name -> pip name, where they differ
+_PIP_NAMES = {"PIL": "pillow", "sklearn": "scikit-learn"}
+
+
+def _missing_module_fix(name, needed_by, entry="domainbed_vasso.train"):
+    """The fix for a module missing from this interpreter: usually the wrong Python
+    (the system's instead of the project's environment), not a missing DomainBed."""
+    return (f"this Python ({sys.executable}) has no module named {name!r}, which {needed_by} "
+            "imports.\nFix: run it with the Python environment where torch and this project are "
+            f"installed: in a clone of this project, `.venv/bin/python -m {entry} ...` "
+            "(or `source .venv/bin/activate` first); `bash scripts/setup_env.sh` creates .venv with "
+            "torch and DomainBed's requirements. "
+            f"Or install it into this Python: pip install {_PIP_NAMES.get(name, name)}.")
+
+
+def missing_requirement(entry="domainbed_vasso.train"):
+    """A message naming the first of :data:`REQUIREMENTS` this interpreter lacks and the
+    fix, or None when all are there (found without importing them)."""
+    for name in REQUIREMENTS:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return _missing_module_fix(name, "domainbed_vasso", entry)
+    return None
+
+
+def exit_if_requirement_missing(entry):
+    """Stop the entry point ``entry`` with one message (exit code 2, as for a missing
+    DomainBed) when this interpreter lacks :data:`REQUIREMENTS`."""
+    message = missing_requirement(entry)
+    if message:
+        print(f"domainbed_vasso: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _how_to_fix(detail):
@@ -62,7 +104,13 @@ def import_domainbed():
         from domainbed import algorithms, datasets, hparams_registry
     except DomainBedNotFound:
         raise
-    except ImportError as exc:  # wilds, timm, ... missing
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or ""
+        if isinstance(exc, ModuleNotFoundError) and missing and missing.split(".")[0] != "domainbed":
+            # DomainBed is there; one of its requirements (torch, wilds, timm, ...) is not
+            raise DomainBedNotFound(
+                f"DomainBed was found at {root}, but "
+                + _missing_module_fix(missing.split(".")[0], "DomainBed")) from exc
         raise DomainBedNotFound(_how_to_fix(
             f"DomainBed was found at {root} but importing it failed: {exc!r}.")) from exc
     return algorithms, hparams_registry, datasets

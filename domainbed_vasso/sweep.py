@@ -27,8 +27,7 @@ import os
 import shlex
 import sys
 
-from . import _cli
-from . import hparams as _hp
+from . import _locate
 from . import slurm as _slurm
 
 STOCK_PREFIX = "python -m domainbed.scripts.train"
@@ -81,9 +80,12 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["status"]:
         raise SystemExit(_slurm.status_main(argv[1:]))
+    _locate.exit_if_requirement_missing("domainbed_vasso.sweep")
+    # imported here, after the check: they need numpy and torch
+    from . import _cli
+    from . import hparams as _hp
     _cli.register_or_exit()
-    from ._locate import child_pythonpath
-    os.environ["PYTHONPATH"] = child_pythonpath()
+    os.environ["PYTHONPATH"] = _locate.child_pythonpath()
     patch_launchers()
     guard = contextlib.nullcontext()
     if not any(a in ("-h", "--help") for a in argv):

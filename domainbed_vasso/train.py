@@ -13,8 +13,7 @@ is loaded; a bad one stops the run with a message naming it.
 
 import sys
 
-from . import _cli
-from . import hparams as _hp
+from . import _locate
 
 _FLAGS = {
     "--dataset": dict(type=str, default="RotatedMNIST"),
@@ -27,6 +26,10 @@ _FLAGS = {
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    _locate.exit_if_requirement_missing("domainbed_vasso.train")
+    # imported here, after the check: they need numpy and torch
+    from . import _cli
+    from . import hparams as _hp
     _cli.register_or_exit()
     if not any(a in ("-h", "--help") for a in argv):
         args = _cli.known_args(argv, _FLAGS)

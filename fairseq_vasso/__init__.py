@@ -24,6 +24,11 @@ import argparse
 
 import torch
 
+from ._foreign_warnings import silence_foreign_warnings
+
+# before fairseq-train reaches Hydra (it imports the user-dir first): see the module
+silence_foreign_warnings()
+
 if hasattr(torch.serialization, "add_safe_globals"):
     torch.serialization.add_safe_globals([argparse.Namespace])
 

@@ -67,6 +67,50 @@ def test_bad_domainbed_root_is_named(tmp_path):
     assert f"DOMAINBED_ROOT={tmp_path / 'nowhere'} does not contain domainbed/__init__.py" in proc.stderr
 
 
+def numpy_only_pythonpath(tmp_path):
+    """A PYTHONPATH for ``python -S`` (no site-packages) holding this repository and numpy,
+    and not torch: the system Python of a newcomer who forgot the project's .venv."""
+    import numpy
+    only = tmp_path / "numpy-only"
+    only.mkdir()
+    (only / "numpy").symlink_to(os.path.dirname(numpy.__file__))
+    return os.pathsep.join([ROOT, str(only)])
+
+
+@pytest.mark.parametrize("module", ["domainbed_vasso.train", "domainbed_vasso.sweep"])
+@pytest.mark.parametrize("lacks", ["numpy", "torch"])
+def test_python_without_torch_says_use_the_venv_not_clone_domainbed(module, lacks, tmp_path):
+    # -S: no site-packages, so a Python without numpy and torch (with numpy when it is put
+    # on PYTHONPATH by itself); DomainBed is there: the fix must not be "clone DomainBed"
+    from domainbed_testlib import DOMAINBED
+    path = ROOT if lacks == "numpy" else numpy_only_pythonpath(tmp_path)
+    env = clean_env(PYTHONPATH=path, DOMAINBED_ROOT=DOMAINBED or "")
+    proc = subprocess.run([sys.executable, "-S", "-m", module, "--algorithm", "VASSO"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"has no module named '{lacks}', which domainbed_vasso imports" in proc.stderr
+    assert f".venv/bin/python -m {module}" in proc.stderr
+    assert "scripts/setup_env.sh" in proc.stderr
+    assert "git clone" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_requirement_of_domainbed_is_not_reported_as_missing_domainbed(tmp_path):
+    from domainbed_testlib import DOMAINBED, SKIP_REASON
+    if DOMAINBED is None:
+        pytest.skip(SKIP_REASON)
+    # DomainBed imports wilds when its datasets load; this interpreter "lacks" it
+    code = ("import sys; sys.modules['wilds'] = None; sys.argv[0] = 'train'\n"
+            "from domainbed_vasso.train import main; main(['--algorithm', 'VASSO'])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                          env=clean_env(DOMAINBED_ROOT=DOMAINBED),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"DomainBed was found at {DOMAINBED}" in proc.stderr
+    assert "has no module named 'wilds', which DomainBed imports" in proc.stderr
+    assert "pip install wilds" in proc.stderr and ".venv/bin/python" in proc.stderr
+    assert "git clone" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_register_without_domainbed_raises_domainbed_not_found(monkeypatch, tmp_path):
     import domainbed_vasso
     from domainbed_vasso import _locate

@@ -81,3 +81,48 @@ def test_every_log_line_carries_the_diagnostics_averaged(toy_data, tmp_path, fs)
         assert steps == [4, 8], (key, events.get(key))
         for (step, value), line in zip(events[key], lines):
             assert value == pytest.approx(float(line[key]), abs=1e-3)
+
+
+# ------------------------------------------------------------------ warnings that are not ours
+
+def test_fairseq_train_prints_only_its_own_and_our_warnings(toy_data, tmp_path, fs):
+    # stock fairseq-train prints ~15 lines of Hydra/torch deprecations that fairseq causes;
+    # with the user-dir imported, none of them (torch.jit.script's comes before any user-dir)
+    out = fs.run_cli("fairseq_cli.train", fs.model_args(toy_data, tmp_path, max_update=2) + ["--no-save"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    for needle in ("hydra.experimental", "version_base", "ConfigStore schema", "strict flag",
+                   "package header", "torch.cuda.amp.autocast", "key_padding_mask", "pin_memory"):
+        assert needle not in out.stderr, out.stderr[-3000:]
+    assert "done training" in out.stdout + out.stderr
+
+
+def test_only_the_listed_foreign_warnings_are_silenced():
+    import warnings
+
+    from fairseq_vasso import _foreign_warnings as foreign
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        foreign.silence_foreign_warnings()
+        warnings.warn("hydra.experimental.compose() is no longer experimental. Use hydra.compose()")
+        warnings.warn("\n'config' is validated against ConfigStore schema with the same name.")
+        warnings.warn("`torch.cuda.amp.autocast(args...)` is deprecated. Please use ...", FutureWarning)
+        # ours, and foreign ones not on the list, still show
+        warnings.warn("VASSO: non-finite gradient, step skipped", RuntimeWarning)
+        warnings.warn("theta is not used by SAM")
+        warnings.warn("hydra.experimental.compose() is no longer experimental", DeprecationWarning)
+    assert [str(w.message) for w in seen] == [
+        "VASSO: non-finite gradient, step skipped", "theta is not used by SAM",
+        "hydra.experimental.compose() is no longer experimental"]
+
+
+def test_setup_cfg_silences_the_same_foreign_warnings_in_the_tests(fs):
+    import configparser
+
+    from fairseq_vasso._foreign_warnings import FOREIGN
+
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(fs.REPO / "setup.cfg")
+    lines = [line.strip() for line in cfg["tool:pytest"]["filterwarnings"].splitlines() if line.strip()]
+    for category, message in FOREIGN:
+        assert f"ignore:{message}:{category.__name__}" in lines

@@ -1,0 +1,643 @@
+"""The docs own their commands: every command in README.md and docs/*.md is classified
+in COMMANDS below and exercised, so that a documented command cannot rot silently.
+
+Extraction. Code blocks are fenced (```lang) or indented by four spaces. A ```text
+(or ```output) block is output and holds no command. A ```python block is one Python
+snippet. Every other block is shell: one command per line, backslash continuations
+joined, ``#`` comments dropped, blanks outside quotes collapsed to one space.
+
+Identity. A shell command is keyed by that normalized text, a Python snippet by
+``python: <its first line>``: the same key anywhere in the docs means the same
+command, classified once. A documented command that changes is unclassified again,
+and the failure message prints a ready-to-paste entry.
+
+Classification (one of):
+
+* ``run()``: runs as written.
+* ``substitute(why, ...)``: runs after the listed replacements (a data path, the
+  DomainBed checkout for ``/path/to/DomainBed``, a smaller model, fewer updates), each
+  of which must still match the documented text.
+* ``check_only(why, check=None)``: too big for CI (GPU-scale recipe, network, hours of
+  CPU): only ``check`` runs, by default the command with ``--help`` appended.
+
+Execution. Like a newcomer with a fresh clone after the README's setup: every command
+runs from a workspace that looks like the repository root (its top-level entries are
+symlinks, ``.venv`` is the environment running the tests), under bash, with that
+environment *not* on PATH (the docs must say ``.venv/bin/...`` or activate it) and
+without DOMAINBED_ROOT (the docs must export it). Export lines of the same file that
+come before a command are replayed first, as in the shell session that reads the
+file top to bottom. Commands that need another command's output name it in
+``needs``; identical scripts run once per session. ``{DOMAINBED_ROOT}`` in a
+replacement stands for the test's DomainBed checkout (the ``DOMAINBED_ROOT`` of the
+test command); the commands that need it skip without one.
+"""
+
+import glob
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO)
+                                   for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+OUTPUT_LANGS = {"text", "output", "console-output"}
+DOMAINBED = os.path.abspath(os.environ["DOMAINBED_ROOT"]) if os.environ.get("DOMAINBED_ROOT") else None
+
+
+# ------------------------------------------------------------------ the classification
+
+@dataclass(frozen=True)
+class How:
+    kind: str                      # "run", "substitute" or "check"
+    why: str = ""
+    replace: tuple = ()            # ((documented text, replacement), ...)
+    append: str = ""               # appended to the command (substitute)
+    prelude: str = ""              # Python run before a snippet (substitute)
+    check: str = None              # the command that check_only runs instead
+    needs: tuple = ()              # keys of commands whose output this one reads
+    expect: tuple = ()             # substrings the output must contain
+    domainbed: bool = False        # needs a DomainBed checkout
+    timeout: int = 300
+
+
+def run(**kw):
+    return How("run", **kw)
+
+
+def substitute(why, replace=(), **kw):
+    return How("substitute", why=why, replace=tuple(dict(replace).items()), **kw)
+
+
+def check_only(why, check=None, **kw):
+    return How("check", why=why, check=check, **kw)
+
+
+def classified(*entries):
+    """{key: How} from (key, How) pairs; a key classified twice is an error."""
+    table = {}
+    for key, how in entries:
+        assert key not in table, f"classified twice in COMMANDS: {key}"
+        table[key] = how
+    return table
+
+
+DEMO = ".venv/bin/python scripts/demo.py"
+# The demo at test scale: the same pipeline (corpus, Moses, BPE, preprocess, fairseq-train
+# with adam, sam and vasso, fairseq-generate, BLEU, tables, plots) with a tiny model, one
+# seed and 40 updates (4 log lines, which the plotting commands read).
+TINY_DEMO = (" --seeds 1 --train 2000 --valid 30 --test 30 --bpe-merges 60 --embed-dim 32 --layers 1"
+             " --max-update 40 --warmup-updates 20")
+# fairseq-train's model of the IWSLT recipe, shrunk (later flags override the arch's defaults)
+TINY_TRANSFORMER = (" --encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32"
+                    " --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 --encoder-attention-heads 2"
+                    " --decoder-attention-heads 2 --max-update 2 --no-save --disable-validation")
+FAIRSEQ_TRAIN = (".venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso "
+                 "--task translation --arch transformer_iwslt_de_en --share-decoder-input-output-embed "
+                 "--optimizer vasso --rho 0.1 --theta 0.4 --adam-betas '(0.9, 0.98)' --lr 5e-4 "
+                 "--lr-scheduler inverse_sqrt --warmup-updates 4000 --weight-decay 0.0001 --dropout 0.3 "
+                 "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 4096 "
+                 "--log-format simple --log-interval 10")
+DOMAINBED_TRAIN = (".venv/bin/python -m domainbed_vasso.train --data_dir ./data --dataset PACS --algorithm VASSO "
+                   "--test_envs 0 --output_dir out/ "
+                   "--hparams '{\"rho\": 0.05, \"theta\": 0.4, \"resnet50_augmix\": false}'")
+FINISHED_SWEEP = "reads a finished sweep of the four image datasets (a GPU job)"
+GPU_DOMAINBED = "PACS and the other image datasets: downloads of several GB and a ResNet-50, a GPU job"
+# A model with dropout and BatchNorm, a batch, a loss and VASSO after one step (so that
+# the snippet's step has an eps_{t-1}), for the snippets of the explicit API
+EXPLICIT_PRELUDE = ("import torch\n"
+                    "from plugins import VASSO\n"
+                    "torch.manual_seed(0)\n"
+                    "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),\n"
+                    "                            torch.nn.Dropout(0.1), torch.nn.Linear(8, 3))\n"
+                    "batch = (torch.randn(16, 4), torch.randint(0, 3, (16,)))\n"
+                    "def loss(model, batch):\n"
+                    "    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
+                    "opt = VASSO(model.parameters(), torch.optim.AdamW, rho=0.1, theta=0.4, lr=1e-3)\n"
+                    "loss(model, batch).backward()\n"
+                    "opt.perturb(); opt.zero_grad(); loss(model, batch).backward(); opt.descend()\n"
+                    "opt.zero_grad()\n")
+EXPLICIT_CHECK = ("print(opt.diagnostics)\n"
+                  "assert opt.diagnostics['two_pass'] == 1 and opt.diagnostics['stability'] > 0\n")
+SLURM = "needs a Slurm cluster (tests/slurm runs the launcher on a local one)"
+LOCAL_SLURM = "needs root and Slurm's packages (tests/slurm starts and stops it)"
+COLLECT_ONLY = "runs a part of the suite that CI runs anyway: collecting it checks the paths and imports"
+
+COMMANDS = classified(
+    # ---- README.md
+    ("bash scripts/setup_env.sh && .venv/bin/python scripts/demo.py", substitute(
+        "scripts/test.sh ran setup_env.sh before pytest; the full demo takes 5 to 18 minutes",
+        {"bash scripts/setup_env.sh && ": ""}, append=TINY_DEMO, timeout=600, expect=("BLEU",))),
+    ("bash scripts/test.sh -ra", check_only(
+        "the test command itself: CI runs it, and this test runs inside it",
+        check="bash -n scripts/test.sh")),
+    ("python: import torch", substitute(
+        "the snippet uses the reader's model, criterion and batch",
+        prelude="import torch\n"
+                "torch.manual_seed(0)\n"
+                "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))\n"
+                "criterion = torch.nn.CrossEntropyLoss()\n"
+                "x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))\n",
+        expect=("ascent_norm",))),
+    ("python: rng = rng_state()", substitute(
+        "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
+        + "from plugins.perturbation import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
+    (FAIRSEQ_TRAIN, substitute(
+        "IWSLT-14 needs a download and the model is GPU-sized: the demo's binarized toy corpus, "
+        "a 1+1-layer model of width 32, 2 updates",
+        {"data-bin/iwslt14.tokenized.de-en": "runs/demo/data-bin"}, append=TINY_TRANSFORMER,
+        needs=(DEMO,), expect=("done training",))),
+    ("export DOMAINBED_ROOT=/path/to/DomainBed", substitute(
+        "the test's DomainBed checkout", {"/path/to/DomainBed": "{DOMAINBED_ROOT}"}, domainbed=True)),
+    (DOMAINBED_TRAIN, check_only(GPU_DOMAINBED, domainbed=True, expect=("--test_envs",))),
+    (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
+     "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
+     "--command_launcher local",
+     check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
+    (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
+
+    # ---- docs/design.md
+    ("python: rng = plugins.perturbation.rng_state()", substitute(
+        "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
+        + "import plugins.perturbation\n", append=EXPLICIT_CHECK, expect=("stability",))),
+
+    # ---- docs/diagnostics.md
+    (".venv/bin/vasso-plot RUNS/sam/seed1 RUNS/vasso0.4/seed1 -o RUNS/diagnostics.png",
+     substitute("RUNS: the demo's run folders", {"RUNS/": "runs/demo/runs/"}, needs=(DEMO,))),
+    (".venv/bin/vasso-plot out/sam/results.jsonl out/vasso/results.jsonl "
+     "-o domainbed_diagnostics.png --smooth 5",
+     check_only("reads two DomainBed trainings' results (the docs' trainings are GPU jobs)")),
+    (".venv/bin/vasso-plot sam.log vasso.log evasso.log -o diagnostics.png",
+     substitute("the logs of the demo's sam and vasso runs stand for the figure's three",
+                {"sam.log vasso.log evasso.log":
+                 "runs/demo/runs/sam/seed1/train.log runs/demo/runs/vasso0.4/seed1/train.log"},
+                needs=(DEMO,))),
+    (".venv/bin/python -m plugins.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
+
+    # ---- docs/digits_results.md
+    (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
+    (".venv/bin/python scripts/digits/experiments.py tradeoff", check_only("about 5 minutes on 2 cores")),
+    (".venv/bin/python scripts/digits/experiments.py spectra", check_only("about 5 minutes on 2 cores")),
+    ("DOMAINBED_ROOT=/path/to/DomainBed bash scripts/domainbed/digits_sweep.sh", check_only(
+        "90 DomainBed jobs, about 34 minutes on 2 cores", check="bash -n scripts/domainbed/digits_sweep.sh")),
+    (".venv/bin/python -m pytest tests/digits", check_only(
+        COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/digits")),
+
+    # ---- docs/domainbed.md
+    ("git clone https://github.com/facebookresearch/DomainBed /path/to/DomainBed", check_only(
+        "network: the test's DomainBed checkout stands for the clone",
+        check="test -f {DOMAINBED_ROOT}/domainbed/scripts/train.py", domainbed=True)),
+    ("git -C /path/to/DomainBed checkout b93c22a", check_only(
+        "the test's DomainBed is a copy of b93c22a without git metadata, and shared: only git's presence",
+        check="git --version")),
+    (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
+     "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
+     "--command_launcher local --hparams '{\"resnet50_augmix\": false, \"freeze_bn\": true}'",
+     check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
+    (".venv/bin/python -m domainbed_vasso.collect_results --input_dir sweep/",
+     check_only(FINISHED_SWEEP, domainbed=True, expect=("--input_dir",))),
+    (".venv/bin/pip install wilds timm", run()),
+    ("bash scripts/test.sh -ra tests/domainbed", check_only(
+        "sets up the environment, then runs a part of the suite that CI runs anyway",
+        check="bash -n scripts/test.sh && .venv/bin/python -m pytest -q --collect-only tests/domainbed")),
+    ("bash scripts/setup_env.sh --with-domainbed", check_only(
+        "scripts/test.sh ran setup_env.sh before pytest (and it clones from GitHub)",
+        check="bash -n scripts/setup_env.sh")),
+    ("bash scripts/setup_env.sh --with-domainbed=/path/to/DomainBed@b93c22a", check_only(
+        "scripts/test.sh ran setup_env.sh before pytest; it would change the test's environment",
+        check="bash -n scripts/setup_env.sh")),
+    (".venv/bin/python -m domainbed_vasso.train --data_dir ./unused --dataset RotatedDigits --algorithm VASSO "
+     "--test_envs 0 --output_dir out_digits/", check_only(
+        "not yet timed for CI by the docs test (a run() candidate)", domainbed=True,
+        expect=("--test_envs",))),
+    ("OMP_NUM_THREADS=1 .venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./unused "
+     "--output_dir sweep_digits/ --datasets RotatedDigits --algorithms ERM VASSO --n_hparams 1 --n_trials 1 "
+     "--command_launcher local --skip_confirmation", check_only(
+        "20 DomainBed jobs, about 8 minutes on 2 cores", domainbed=True, expect=("--command_launcher",))),
+    (".venv/bin/python -m domainbed_vasso.collect_results --input_dir sweep_digits/", check_only(
+        "reads the sweep above", domainbed=True, expect=("--input_dir",))),
+    ("export DOMAINBED_VASSO_SLURM='{\"slurm_partition\": \"gpu\", \"gpus_per_node\": 1, "
+     "\"cpus_per_task\": 8, \"mem_gb\": 32, \"timeout_min\": 240, \"slurm_array_parallelism\": 64}'", run()),
+    ("export DOMAINBED_VASSO_RESNET_WEIGHTS=/shared/resnet50-0676ba61.pth", substitute(
+        "no weights file here: 'none' builds the ResNets without pretrained weights",
+        {"/shared/resnet50-0676ba61.pth": "none"})),
+    (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir /shared/data --output_dir /shared/sweep "
+     "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
+     "--hparams '{\"resnet50_augmix\": false, \"freeze_bn\": true}' --command_launcher slurm "
+     "--skip_confirmation", check_only(SLURM, domainbed=True, expect=("--command_launcher",))),
+    (".venv/bin/python -m domainbed_vasso.sweep status --output_dir /shared/sweep", check_only(
+        SLURM, expect=("--output_dir",))),
+    (".venv/bin/python -m domainbed_vasso.sweep delete_incomplete ... --skip_confirmation", check_only(
+        "'...' stands for the launch's flags; " + SLURM, domainbed=True,
+        check=".venv/bin/python -m domainbed_vasso.sweep delete_incomplete --help")),
+    (".venv/bin/python -m domainbed_vasso.sweep launch ... --command_launcher slurm --skip_confirmation",
+     check_only("'...' stands for the launch's flags; " + SLURM, domainbed=True,
+                check=".venv/bin/python -m domainbed_vasso.sweep launch --command_launcher slurm --help")),
+    (".venv/bin/vasso-domainbed-tables /shared/sweep", check_only(FINISHED_SWEEP)),
+    ("DOMAINBED_ROOT=/path/to/DomainBed .venv/bin/python -m pytest tests/slurm", check_only(
+        COLLECT_ONLY, domainbed=True,
+        check="DOMAINBED_ROOT={DOMAINBED_ROOT} .venv/bin/python -m pytest -q --collect-only tests/slurm")),
+    ("sudo bash scripts/local_slurm.sh start", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
+    ("export SLURM_CONF=/tmp/vasso-slurm-0/slurm.conf", run()),
+    ("sinfo; srun -n2 hostname", check_only(LOCAL_SLURM, check="bash -n -c 'sinfo; srun -n2 hostname'")),
+    ("sudo bash scripts/local_slurm.sh status", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
+    ("sudo bash scripts/local_slurm.sh stop", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
+
+    # ---- docs/fairseq.md
+    ("srun .venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso "
+     "--distributed-world-size 16 --distributed-port 12345 --ddp-backend legacy_ddp --optimizer vasso "
+     "--rho 0.1 --theta 0.4 ...", check_only(
+        "a 16-GPU Slurm job ('...': the rest of the flags): fairseq-train parses its flags",
+        check=".venv/bin/fairseq-train --user-dir fairseq_vasso --distributed-world-size 16 "
+              "--distributed-port 12345 --ddp-backend legacy_ddp --optimizer vasso --rho 0.1 --theta 0.4 --help",
+        expect=("--theta",))),
+    (".venv/bin/torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $HEAD_NODE "
+     "--master-port 12345 .venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso "
+     "--distributed-world-size 16 --optimizer vasso --rho 0.1 --theta 0.4 ...", check_only(
+        "two 8-GPU nodes ('...': the rest of the flags): torchrun's and fairseq-train's flags parse",
+        check=".venv/bin/torchrun --nnodes 2 --nproc-per-node 8 --help && .venv/bin/fairseq-train "
+              "--user-dir fairseq_vasso --distributed-world-size 16 --optimizer vasso --rho 0.1 "
+              "--theta 0.4 --help", expect=("--nproc-per-node", "--theta"))),
+    (".venv/bin/python -c 'import fairseq_vasso, os; print(os.path.dirname(fairseq_vasso.__file__))'",
+     run(expect=("fairseq_vasso",))),
+    (".venv/bin/python -m pytest -q tests/fairseq", check_only(
+        COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/fairseq")),
+
+    # ---- docs/translation.md
+    (DEMO, substitute("the full demo takes 5 to 18 minutes", append=TINY_DEMO, timeout=600,
+                      expect=("BLEU",))),
+    (".venv/bin/python scripts/translation/iwslt14_prepare.py", check_only(
+        "downloads the IWSLT-14 archive (tests/scripts runs every step after the download)")),
+    (".venv/bin/python scripts/translation/iwslt14_recipe.py --dry-run", run(expect=("fairseq-train",))),
+    (".venv/bin/python scripts/translation/iwslt14_recipe.py --seeds 1 2 3", check_only(
+        "15 trainings of the paper's model on IWSLT-14: a GPU job")),
+    (".venv/bin/vasso-bleu data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14 "
+     "--ref-file data/iwslt14.tokenized.de-en/tmp/test.en", substitute(
+        "the demo's data, runs and references stand for IWSLT-14's",
+        {"data-bin/iwslt14.tokenized.de-en": "runs/demo/data-bin", "runs/iwslt14": "runs/demo/runs",
+         "data/iwslt14.tokenized.de-en/tmp/test.en": "runs/demo/tok/test.en"},
+        append=" --generate-args='--max-len-a 1.2 --max-len-b 10'", needs=(DEMO,),
+        expect=("sacreBLEU",))),
+    (".venv/bin/python -m pytest -q tests/scripts", check_only(
+        COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/scripts")),
+)
+
+
+# ------------------------------------------------------------------ extraction
+
+@dataclass
+class Command:
+    key: str          # the identity: normalized shell text, or "python: <first line>"
+    text: str         # what runs: the shell text, or the snippet's code
+    lang: str         # "sh" or "python"
+    file: str         # relative to the repository
+    line: int         # 1-based line of the command's first line
+
+    @property
+    def at(self):
+        return f"{self.file}:{self.line}"
+
+
+def code_blocks(text):
+    """[(first line number, lang, [lines])] of the fenced and indented code blocks."""
+    lines = text.split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.lstrip()
+        if stripped.startswith("```"):
+            indent = len(line) - len(stripped)
+            lang = stripped[3:].strip().split(" ")[0].lower()
+            j = i + 1
+            while j < len(lines) and not lines[j].lstrip().startswith("```"):
+                j += 1
+            blocks.append((i + 2, lang, [raw[indent:] for raw in lines[i + 1:j]]))
+            i = j + 1
+            continue
+        if line.startswith("    ") and line.strip() and (i == 0 or not lines[i - 1].strip()):
+            j = i
+            while j < len(lines) and (lines[j].startswith("    ") or not lines[j].strip()):
+                j += 1
+            body = [raw[4:] for raw in lines[i:j]]
+            while body and not body[-1].strip():
+                body.pop()
+            blocks.append((i + 1, "", body))
+            i = j
+            continue
+        i += 1
+    return blocks
+
+
+def normalize_shell(line):
+    """Drop a ``#`` comment and collapse blanks, both outside quotes."""
+    out, quote, prev = [], None, " "
+    for ch in line:
+        if quote:
+            out.append(ch)
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+            out.append(ch)
+        elif ch == "#" and prev in " \t":
+            break
+        elif ch in " \t":
+            if out and out[-1] != " ":
+                out.append(" ")
+        else:
+            out.append(ch)
+        prev = ch
+    return "".join(out).strip()
+
+
+def _open_quote(text):
+    """True when ``text`` ends inside a quoted string."""
+    quote = None
+    for ch in text:
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and not quote:
+            break
+    return quote is not None
+
+
+def shell_commands(body):
+    """[(offset of the first line, command)] of a shell block: a command goes on over a
+    trailing backslash or an open quote."""
+    commands, pending, start = [], [], None
+    for offset, raw in enumerate(body):
+        if not pending and not raw.strip():
+            continue
+        if not pending:
+            start = offset
+        code = raw.rstrip()
+        if code.endswith("\\") and not normalize_shell(code).startswith("#"):
+            pending.append(code[:-1])
+            continue
+        pending.append(code)
+        if _open_quote(" ".join(p.strip() for p in pending)):
+            continue
+        command = normalize_shell(" ".join(p.strip() for p in pending))
+        pending = []
+        if command:
+            commands.append((start, command))
+    return commands
+
+
+def extract(files=DOC_FILES):
+    """Every documented command, in document order."""
+    out = []
+    for rel in files:
+        with open(os.path.join(REPO, rel), encoding="utf-8") as f:
+            text = f.read()
+        for first, lang, body in code_blocks(text):
+            if lang in OUTPUT_LANGS:
+                continue
+            if lang in ("python", "py", "python3"):
+                code = "\n".join(body).strip("\n")
+                head = next((normalize_shell(l) for l in body if normalize_shell(l)), "")
+                out.append(Command(f"python: {head}", code + "\n", "python", rel, first))
+                continue
+            for offset, command in shell_commands(body):
+                out.append(Command(command, command, "sh", rel, first + offset))
+    return out
+
+
+DOCUMENTED = extract()
+
+
+# ------------------------------------------------------------------ running
+
+def _venv():
+    return sys.prefix
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory, request):
+    """A folder that looks like a fresh clone after the README's setup."""
+    ws = tmp_path_factory.mktemp("docs-workspace")
+    for name in os.listdir(REPO):
+        if name in (".git", ".venv") or name.startswith(".pytest"):
+            continue
+        os.symlink(os.path.join(REPO, name), ws / name)
+    os.symlink(_venv(), ws / ".venv")
+    ws = str(ws)
+    # queue the selected tests' commands now (see _POOL): first what the others need (the
+    # demo), then the checks
+    selected = [item.callspec.params["cmd"] for item in request.session.items
+                if "cmd" in getattr(getattr(item, "callspec", None), "params", {})]
+    needed = {need for c in selected for need in COMMANDS[c.key].needs}
+    first = [c for c in DOCUMENTED if c.key in needed]
+    checks = [c for c in selected if COMMANDS[c.key].kind == "check"]
+    for cmd in first + checks:
+        how = COMMANDS[cmd.key]
+        if not how.needs and not (how.domainbed and DOMAINBED is None):
+            _submit(cmd, ws)
+    yield ws
+    _POOL.shutdown(wait=True)
+
+
+def command_env():
+    env = dict(os.environ)
+    venv_bin = os.path.join(_venv(), "bin")
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and os.path.realpath(p) != os.path.realpath(venv_bin))
+    for name in ("VIRTUAL_ENV", "DOMAINBED_ROOT", "PYTHONHOME"):
+        env.pop(name, None)
+    # the code under test is this checkout (the venv's editable install may point elsewhere)
+    env["PYTHONPATH"] = REPO
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["DOMAINBED_VASSO_NUM_WORKERS"] = "0"
+    return env
+
+
+def fill(text):
+    return text.replace("{DOMAINBED_ROOT}", DOMAINBED or "/nonexistent/DomainBed")
+
+
+def as_run(cmd, how):
+    """The shell text that runs for ``cmd`` classified as ``how``."""
+    if how.kind == "check":
+        if how.check is not None:
+            return fill(how.check)
+        return cmd.text + " --help"
+    text = cmd.text
+    for old, new in how.replace:
+        text = text.replace(old, fill(new))
+    if cmd.lang == "python":
+        code = how.prelude + text + how.append
+        return ".venv/bin/python - <<'DOCS_SNIPPET_EOF'\n" + code + "DOCS_SNIPPET_EOF"
+    return text + fill(how.append)
+
+
+def exports_before(cmd):
+    """The shell text of the export lines of ``cmd``'s file that come before it."""
+    lines = []
+    for other in DOCUMENTED:
+        if other.file == cmd.file and other.lang == "sh" and other.line < cmd.line:
+            if other.text.startswith("export ") and other.key in COMMANDS:
+                how = COMMANDS[other.key]
+                if how.domainbed and DOMAINBED is None:
+                    continue
+                lines.append(as_run(other, how))
+    return lines
+
+
+# Every script runs once per session, on a pool as wide as CI's machine (2 cores): the
+# check-only commands are queued at the first command test, so they run beside the others.
+_POOL = ThreadPoolExecutor(max_workers=2)
+_DONE = {}
+
+
+def _run_script(script, workspace, timeout):
+    """(exit status or a timeout note, output) of ``bash -c script``; on a timeout the whole
+    process group (fairseq-train's children included) is killed, by its id."""
+    proc = subprocess.Popen(["bash", "-c", script], cwd=workspace, env=command_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return f"timeout after {timeout} s", out
+
+
+def _submit(cmd, workspace):
+    how = COMMANDS[cmd.key]
+    script = "\n".join(["set -e"] + exports_before(cmd) + [as_run(cmd, how)])
+    if (workspace, script) not in _DONE:
+        _DONE[workspace, script] = _POOL.submit(
+            lambda: (script,) + _run_script(script, workspace, how.timeout))
+    return _DONE[workspace, script]
+
+
+def execute(cmd, workspace):
+    """Run ``cmd`` (its classification decides how); returns (script, rc, output). Memoized."""
+    how = COMMANDS[cmd.key]
+    for need in how.needs:
+        first = next((c for c in DOCUMENTED if c.key == need), None)
+        assert first is not None, f"{cmd.at}: needs {need!r}, which no doc holds any more"
+        _, rc, out = execute(first, workspace)
+        assert rc == 0, f"{cmd.at} needs {first.at} ({need}), which failed:\n{out[-3000:]}"
+    return _submit(cmd, workspace).result()
+
+
+# ------------------------------------------------------------------ the tests
+
+def test_docs_hold_commands():
+    # the extraction itself: a change of the docs' markup must not make them look empty
+    assert len(DOCUMENTED) >= 20
+    assert any(c.text.startswith(".venv/bin/fairseq-train ") for c in DOCUMENTED)
+
+
+def test_every_documented_command_is_classified():
+    missing = [c for c in DOCUMENTED if c.key not in COMMANDS]
+    if missing:
+        lines = [f"{len(missing)} documented command(s) not classified in COMMANDS of {__file__}:"]
+        for c in missing:
+            lines.append(f"  {c.at}: {c.key}")
+        lines.append("Add an entry for each (run(), substitute(why, {...}) or check_only(why)), e.g.:")
+        for key in dict.fromkeys(c.key for c in missing):
+            lines.append(f"    ({key!r}, check_only('WHY')),")
+        pytest.fail("\n".join(lines))
+
+
+def test_every_classified_command_is_still_documented():
+    documented = {c.key for c in DOCUMENTED}
+    stale = [k for k in COMMANDS if k not in documented]
+    assert not stale, ("COMMANDS classifies commands that no doc holds any more (remove them, or "
+                       "update them to the docs' new text):\n  " + "\n  ".join(stale))
+
+
+def test_substitutions_and_needs_still_match():
+    problems = []
+    for c in DOCUMENTED:
+        how = COMMANDS.get(c.key)
+        if how is None:
+            continue
+        for old, _ in how.replace:
+            if old not in c.text:
+                problems.append(f"{c.at}: replacement {old!r} no longer occurs in: {c.key}")
+        for need in how.needs:
+            if need not in COMMANDS or not any(d.key == need for d in DOCUMENTED):
+                problems.append(f"{c.at}: needs {need!r}, which is not a classified, documented command")
+        if how.kind != "run" and not how.why:
+            problems.append(f"{c.at}: {how.kind} without a reason: {c.key}")
+        if how.kind == "check" and how.check is None and (" && " in c.text or c.lang == "python"):
+            problems.append(f"{c.at}: check_only needs an explicit check for: {c.key}")
+    assert not problems, "\n".join(problems)
+
+
+# the programs a documented shell command may start with: the environment's, spelled out
+_ALLOWED_PROGRAMS = {"bash", "git", "export", "source", "cd", "test", "mkdir", "ls", "cat",
+                     "sudo", "srun", "sinfo", "squeue", "sbatch"}
+
+
+def _programs(text):
+    """The program of each simple command in ``text`` (after VAR=value assignments)."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    programs, words, redirect = [], [], False
+    for token in list(lexer) + [";"]:
+        if token and set(token) <= set("<>"):
+            redirect = True                  # the next word is a file, not an argument
+        elif token and set(token) <= set(";&|()"):
+            while words and "=" in words[0] and not words[0].startswith(("-", "=")):
+                words = words[1:]
+            if words:
+                programs.append(words[0])
+            words = []
+        elif redirect:
+            redirect = False
+        else:
+            words.append(token)
+    return programs
+
+
+def test_every_command_names_the_environment():
+    # item: "Commands assume an activated .venv and never say so"
+    bad = []
+    for c in DOCUMENTED:
+        if c.lang != "sh":
+            continue
+        for program in _programs(c.text):
+            if program.startswith(".venv/bin/") or program in _ALLOWED_PROGRAMS:
+                continue
+            bad.append(f"{c.at}: {program!r} in: {c.text}")
+    assert not bad, ("documented commands whose program is not spelled with the environment "
+                     "(.venv/bin/...), so a newcomer without an activated .venv gets "
+                     "'command not found' or the system Python:\n  " + "\n  ".join(bad))
+
+
+def _params():
+    params = []
+    for c in DOCUMENTED:
+        if c.key in COMMANDS:
+            params.append(pytest.param(c, id=c.at))
+    return params
+
+
+@pytest.mark.parametrize("cmd", _params())
+def test_documented_command(cmd, workspace):
+    how = COMMANDS[cmd.key]
+    if how.domainbed and DOMAINBED is None:
+        pytest.skip("needs DomainBed: set DOMAINBED_ROOT to a DomainBed checkout")
+    script, rc, out = execute(cmd, workspace)
+    label = {"run": "run as written", "substitute": f"run with substitutions ({how.why})",
+             "check": f"checked only ({how.why})"}[how.kind]
+    assert rc == 0, (f"documented command failed: {cmd.at}\n  as documented: {cmd.key}\n  {label}; ran:\n"
+                     f"{script}\n  exit status {rc}; last output:\n{out[-4000:]}")
+    for needle in how.expect:
+        assert needle in out, (f"{cmd.at}: the output of\n{script}\nlacks {needle!r}; last output:\n"
+                               f"{out[-4000:]}")
