@@ -7,7 +7,9 @@ print about 15 lines of deprecation warnings at the start of every fairseq-train
 hundreds in a test session. None is about this plugin and none can be acted on by its
 users, so importing the user-dir silences exactly these (category and the start of the
 message); every other warning, ours included, prints as before. ``torch.jit.script``'s
-FutureWarning comes while fairseq itself is imported, before any user-dir: it stays.
+FutureWarning comes while fairseq itself is imported: fairseq-train prints it before it
+loads any user-dir, while the processes that import this package first (the demo,
+vasso-bleu) do not print it.
 
 The tests' process gets the same list from ``setup.cfg`` (``[tool:pytest]
 filterwarnings``, one ``ignore:MESSAGE:CATEGORY`` line each; a test keeps the two equal).
@@ -17,6 +19,7 @@ import warnings
 
 #: (category, regular expression matched against the start of the message)
 FOREIGN = (
+    (FutureWarning, r"`torch\.jit\.script` is deprecated"),
     (UserWarning, r"hydra\.experimental\.initialize\(\) is no longer experimental"),
     (UserWarning, r"hydra\.experimental\.compose\(\) is no longer experimental"),
     (UserWarning, r"\s*The version_base parameter is not specified"),

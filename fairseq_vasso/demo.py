@@ -52,16 +52,14 @@ import statistics
 import sys
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 # torch's, printed by every process that imports fairseq (fairseq decorates functions with
-# torch.jit.script): not ours and nothing a demo user can act on. Only this message is
-# silenced, here and in the fairseq processes the demo starts (PYTHONWARNINGS).
+# torch.jit.script): not ours and nothing a demo user can act on. Importing fairseq_vasso
+# (before fairseq) silences it in this process; the fairseq processes the demo starts get
+# the same filter through PYTHONWARNINGS, since they import fairseq before the user-dir.
 TORCH_JIT_WARNING = "`torch.jit.script` is deprecated"
-# in this process too (fairseq_vasso's own import already filters fairseq's foreign warnings)
-warnings.filterwarnings("ignore", message=re.escape(TORCH_JIT_WARNING), category=FutureWarning)
 
 
 def tiny_model(embed_dim=128, layers=2, lr=2e-3, warmup=200, dropout=0.1):
