@@ -33,17 +33,8 @@ and requires every intermediate file to be byte-identical.
    of fairseq's README instead; the recipe's ``--share-decoder-input-output-embed``
    works with either).
 
-Layout (the shell script's, under ``--workdir``, default ``data/``)::
-
-    data/orig/de-en.tgz, data/orig/de-en/...          (download)
-    data/iwslt14.tokenized.de-en/tmp/...               (intermediate files)
-    data/iwslt14.tokenized.de-en/{train,valid,test}.{de,en}, code
-    data-bin/iwslt14.tokenized.de-en/                  (binarized)
-
-Usage::
-
-    python scripts/translation/iwslt14_prepare.py                         # download, then all steps
-    python scripts/translation/iwslt14_prepare.py --raw-dir path/to/de-en # no network needed
+The recipe that runs these steps, its file layout and its usage:
+``scripts/translation/iwslt14_prepare.py``.
 """
 
 import multiprocessing
