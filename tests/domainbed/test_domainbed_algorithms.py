@@ -4,7 +4,6 @@
 import copy
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from domainbed_testlib import DOMAINBED, PY, ROOT, SKIP_REASON, STEPS, run_all, train_cmd
+from domainbed_testlib import DOMAINBED, PY, SKIP_REASON, run_all, train_cmd
 
 pytestmark = pytest.mark.skipif(DOMAINBED is None, reason=SKIP_REASON)
 IGNORED = {"step_time", "mem_gb", "args", "hparams"}
@@ -144,7 +144,7 @@ def test_sweep_children_know_vasso_and_collect_results_reads_it(tmp_path):
 
 
 def in_process(script, argv):
-    """Run a DomainBed script module (or a script path) as __main__ here; its stdout."""
+    """Run a DomainBed script module as __main__ here; its stdout."""
     import io
     import runpy
     import sys
@@ -153,10 +153,7 @@ def in_process(script, argv):
     tee = None
     try:
         sys.argv, sys.stdout = [script] + argv, buf
-        if script.endswith(".py"):
-            runpy.run_path(script, run_name="__main__")
-        else:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        runpy.run_module(script, run_name="__main__", alter_sys=True)
     finally:
         tee = sys.stdout
         sys.argv, sys.stdout, sys.stderr = saved

@@ -83,7 +83,7 @@ def test_domainbeds_own_suite_passes_after_register(tmp_path):
     # environment (e.g. Fishr, whose backpack-for-pytorch does not work with torch >= 2.x
     # here), not the plugin. The same cases are run again, unregistered.
     if failed:
-        stock = run_suite(copy, tmp_path / "without.xml", failed, register=False)
+        run_suite(copy, tmp_path / "without.xml", failed, register=False)
         stock_result = outcomes(tmp_path / "without.xml")
         caused = [n for n in failed if stock_result.get(n) != "failed"]
         assert not caused, (caused, proc.stdout[-4000:])
