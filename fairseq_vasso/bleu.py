@@ -291,7 +291,8 @@ def method_order(name):
 
 
 def mean_std(values):
-    """(mean, sample std or None for a single value)."""
+    """(mean, sample std; std None for one value) of the values that are not None."""
+    values = [v for v in values if v is not None]
     if not values:
         return None, None
     if len(values) == 1:
@@ -299,13 +300,14 @@ def mean_std(values):
     return statistics.mean(values), statistics.stdev(values)
 
 
-def fmt_mean_std(values):
+def fmt_mean_std(values, digits=2):
+    """'mean ± std', the mean alone for one value (no spread to show), '-' for none."""
     mean, std = mean_std(values)
     if mean is None:
         return "-"
     if std is None:
-        return "%.2f" % mean
-    return "%.2f ± %.2f" % (mean, std)
+        return "%.*f" % (digits, mean)
+    return "%.*f ± %.*f" % (digits, mean, digits, std)
 
 
 def markdown_table(results, paper_column=True, title=None):

@@ -54,6 +54,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from .bleu import fmt_mean_std, mean_std
+
 DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 # torch's, printed by every process that imports fairseq (fairseq decorates functions with
 # torch.jit.script): not ours and nothing a demo user can act on. Importing fairseq_vasso
@@ -270,25 +272,6 @@ def _float(text):
         return float(text)
     except (TypeError, ValueError):
         return None
-
-
-def mean_std(values):
-    """(mean, sample std; std None for one value) of the values that are not None."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    if len(values) == 1:
-        return values[0], None
-    return statistics.mean(values), statistics.stdev(values)
-
-
-def fmt_mean_std(values, digits=2):
-    mean, std = mean_std(values)
-    if mean is None:
-        return "-"
-    if std is None:  # one seed: there is no spread to show
-        return "%.*f" % (digits, mean)
-    return "%.*f ± %.*f" % (digits, mean, digits, std)
 
 
 # summary columns from the training logs: (log key, heading, digits)
