@@ -237,11 +237,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.rho_min is None:
             return rho
         lr = float(self.param_groups[0]["lr"])
-        rho_t = P.scheduled_rho(rho, self.rho_min, lr, self.lr_max, self.lr_min)
-        if not rho_t >= 0.0:
-            raise ValueError(f"the rho schedule gives rho = {rho_t:g} < 0 at lr = {lr:g}: the lr fell below "
-                             f"lr_min = {self.lr_min:g}; set lr_min to the schedule's lowest lr")
-        return rho_t
+        return P.scheduled_rho(rho, self.rho_min, lr, self.lr_max, self.lr_min)  # refuses an lr below lr_min
 
     # ------------------------------------------------------------------ per-step lists
 

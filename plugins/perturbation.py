@@ -219,9 +219,22 @@ def plain_stability(scale: float, previous_scale: float, inner_slopes: float, as
 # --------------------------------------------------------------------------- rho schedule
 
 
-def scheduled_rho(rho_max: float, rho_min: float, lr: float, lr_max: float, lr_min: float) -> float:
+def scheduled_rho(rho_max: float, rho_min: float, lr: float, lr_max: float, lr_min: float,
+                  rounding: float = 1e-12) -> float:
     """GSAM's rho schedule (Zhuang et al. 2022), rho proportional to the learning rate:
-    ``rho_t = rho_min + (rho_max - rho_min) (lr_t - lr_min) / (lr_max - lr_min)``."""
+    ``rho_t = rho_min + (rho_max - rho_min) (lr_t - lr_min) / (lr_max - lr_min)``.
+
+    An lr below ``lr_min`` by at most ``rounding * lr_max`` is ``lr_min`` up to a
+    scheduler's float rounding (torch's ``LinearLR`` from 3e-3 to 3e-5 ends at
+    2.9999999999999977e-05) and gives ``rho_min`` exactly. Further below, rho would fall
+    under ``rho_min`` (negative for ``rho_min = 0``): a ValueError, nothing clamped.
+    """
+    if not lr >= lr_min:  # NaN too
+        if not lr_min - lr <= rounding * lr_max:
+            raise ValueError(f"the rho schedule's lr fell below lr_min: lr = {lr!r} < lr_min = {lr_min!r} (by more "
+                             f"than rounding, {rounding:g} * lr_max); set lr_min to the schedule's lowest lr "
+                             "(0 for a warmup from lr 0)")
+        return rho_min
     return rho_min + (rho_max - rho_min) * (lr - lr_min) / (lr_max - lr_min)
 
 

@@ -52,6 +52,57 @@ def test_scheduled_rho_is_the_gsam_formula():
     assert scheduled_rho(0.2, 0.05, 4e-4, 1e-3, 2e-4) == pytest.approx(0.05 + 0.15 * 2e-4 / 8e-4)
 
 
+def test_an_lr_below_lr_min_by_rounding_only_gives_rho_min():
+    # torch's LinearLR from 3e-3 to 3e-5 ends one rounding step below its target
+    assert scheduled_rho(0.2, 0.0, 2.9999999999999977e-05, 3e-3, 3e-5) == 0.0
+    assert scheduled_rho(0.2, 0.05, 3e-5 - 0.9e-12 * 3e-3, 3e-3, 3e-5) == 0.05  # within the documented tolerance
+    assert scheduled_rho(0.2, 0.0, -1e-20, 1e-3, 0.0) == 0.0
+    for lr in (3e-5 - 3e-12 * 3e-3, 2.9e-5, 0.0, float("nan")):  # beyond rounding: refused, not clamped
+        with pytest.raises(ValueError, match="lr fell below lr_min.*set lr_min to the schedule's lowest lr"):
+            scheduled_rho(0.2, 0.05, lr, 3e-3, 3e-5)
+
+
+def linear_decay(opt):  # the paper's ViT row: lr 3e-3 -> 3e-5
+    return torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.01, total_iters=10)
+
+
+def one_cycle(opt):  # warmup from max_lr / 25 to max_lr, then anneal to max_lr / 25 / 1e4
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=12)
+
+
+def warmup_from_zero_then_decay(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(step / 3, 1.0) * 0.7 ** max(0, step - 3))
+
+
+@pytest.mark.parametrize("make_scheduler, lr_min", [(linear_decay, 3e-5), (one_cycle, 3e-3 / 25 / 1e4),
+                                                    (warmup_from_zero_then_decay, 0.0)])
+def test_torch_schedulers_run_to_their_end_with_lr_min_their_lowest_lr(make_scheduler, lr_min):
+    model = make_model()
+    opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.2, rho_min=0.0, lr=3e-3, lr_min=lr_min)
+    sched = make_scheduler(opt)
+    rhos, lrs = [], []
+    for x, y in make_batches(12):
+        lr = opt.param_groups[0]["lr"]
+        lrs.append(lr)
+        opt.step(closure_for(opt, model, x, y))
+        rhos.append(opt.diagnostics["rho"])
+        assert rhos[-1] == pytest.approx(max(0.0, 0.2 * (lr - lr_min) / (3e-3 - lr_min)), rel=1e-9, abs=1e-15)
+        sched.step()
+    assert min(rhos) == pytest.approx(0.0, abs=1e-15) and max(rhos) > 0.19  # from the peak to the floor
+    assert all(0.0 <= r <= 0.2 + 1e-15 for r in rhos)
+    if make_scheduler is linear_decay:  # the case that ends one rounding step below lr_min
+        assert min(lrs) == 2.9999999999999977e-05 and min(rhos) == 0.0
+
+
+def test_a_warmup_from_lr_0_needs_lr_min_0():
+    model = make_model()
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.2, rho_min=0.0, lr=3e-3, lr_min=3e-5)
+    warmup_from_zero_then_decay(opt)
+    with pytest.raises(ValueError, match=r"lr = 0.0 < lr_min = 3e-05.*\(0 for a warmup from lr 0\)"):
+        opt.step(closure_for(opt, model, *make_batches(1)[0]))
+    assert not opt.in_flight
+
+
 def lr_lambda(step):
     return min(1.0, (step + 1) / 5) * 0.9 ** max(0, step - 5)  # warmup, then decay
 
