@@ -36,19 +36,37 @@ def known_args(argv, spec):
     return args
 
 
-def check_hparams(algorithm, dataset, overrides, hparams_seed=0, trial_seed=0):
-    """Validate the hparams DomainBed's train script will build for one of our algorithms."""
-    if algorithm not in _hp.SPECS:
-        return None
-    from domainbed import hparams_registry
+def take_flag(argv, flag):
+    """``(argv without flag, whether it was there)``: our own flags, before DomainBed's
+    parser (which knows only its own) sees ``argv``."""
+    rest = [a for a in argv if a != flag]
+    return rest, len(rest) != len(argv)
+
+
+def check_hparams(algorithm, dataset, overrides, hparams_seed=0, trial_seed=0, allow_unknown=False):
+    """Check the hparams DomainBed's train script will build, before it builds anything:
+    every ``--hparams`` key must be one the registry defines for ``algorithm`` (any
+    algorithm; a warning instead with ``allow_unknown``), and the knobs of SAM, GSAM and
+    VASSO must be in range. Raises :class:`~domainbed_vasso.hparams.HParamError`."""
+    import warnings
+
+    from domainbed import algorithms, hparams_registry
     from domainbed.lib import misc
+    if algorithm not in algorithms.ALGORITHMS:
+        return None  # DomainBed's train script names it
     if hparams_seed == 0:
         hparams = hparams_registry.default_hparams(algorithm, dataset)
     else:
         hparams = hparams_registry.random_hparams(algorithm, dataset,
                                                   misc.seed_hash(hparams_seed, trial_seed))
+    unknown = _hp.unknown_hparams(algorithm, dataset, overrides, hparams)
+    if unknown and not allow_unknown:
+        raise _hp.HParamError(unknown)
+    if unknown:
+        warnings.warn(unknown, UserWarning, stacklevel=2)
+    if algorithm not in _hp.SPECS:
+        return None
     hparams.update(overrides)
-    _hp.warn_unused(algorithm, overrides)
     return _hp.validate(algorithm, hparams)
 
 

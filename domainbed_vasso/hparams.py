@@ -25,8 +25,8 @@ The rho grid is the one SAGM (Wang et al., CVPR 2023, whose Adam/SAM/GSAM Domain
 numbers the paper quotes) searches; the GSAM alpha grid is this project's choice.
 """
 
+import difflib
 import json
-import warnings
 
 import numpy as np
 
@@ -59,10 +59,6 @@ SPECS = {
     "VASSO": [_RHO, ("theta", 0.4, _choice([0.2, 0.4, 0.9]), None),
               ("gsam_alpha", 0.0, _const(0.0), None), _P, _ADAPTIVE, _ETA],
 }
-
-#: Every knob any of the algorithms knows (to tell typos from another algorithm's knob).
-KNOWN = sorted({spec[0] for specs in SPECS.values() for spec in specs})
-
 
 def own_hparams(algorithm, random_seed, seed_hash):
     """``{name: (default, random)}`` of the knobs of ``algorithm`` for ``random_seed``."""
@@ -106,15 +102,31 @@ def validate(algorithm, hparams):
     return values
 
 
-def warn_unused(algorithm, overrides):
-    """Warn about ``--hparams`` keys that ``algorithm`` ignores but another SA algorithm uses
-    (e.g. ``theta`` given to SAM), since DomainBed accepts any key silently."""
-    mine = {spec[0] for spec in SPECS.get(algorithm, ())}
-    unused = sorted(k for k in overrides if k in KNOWN and k not in mine)
-    if unused:
-        warnings.warn(f"{algorithm} ignores the hparams {', '.join(unused)} "
-                      f"(used by other sharpness-aware algorithms only)", UserWarning, stacklevel=2)
-    return unused
+#: The flag of ``domainbed_vasso.train`` and ``.sweep`` that lets unknown keys through.
+ALLOW_UNKNOWN = "--allow-unknown-hparams"
+
+
+def unknown_hparams(algorithm, dataset, overrides, defined):
+    """One line naming each ``--hparams`` key that ``defined`` (the registry's hparams of
+    ``algorithm`` on ``dataset``) lacks, with the closest valid key; None when all are known.
+
+    DomainBed copies any key into the hparams and reads only those it knows, so a typo
+    (``theat``) would train silently with the default.
+    """
+    unknown = [key for key in overrides if key not in defined]
+    if not unknown:
+        return None
+    named = []
+    for key in unknown:
+        owners = [name for name, specs in SPECS.items() if key in {spec[0] for spec in specs}]
+        close = difflib.get_close_matches(key, sorted(defined), n=1)
+        if owners:  # another algorithm's knob, not a typo
+            named.append(f"{key!r} (an hparam of {', '.join(owners)} only)")
+        else:
+            named.append(f"{key!r}" + (f" (closest valid: {close[0]!r})" if close else ""))
+    return (f"--hparams: {', '.join(named)} {'is not an hparam' if len(unknown) == 1 else 'are not hparams'} "
+            f"of {algorithm} on {dataset} (DomainBed would ignore {'it' if len(unknown) == 1 else 'them'}; "
+            f"{ALLOW_UNKNOWN} lets it)")
 
 
 def parse_overrides(text):

@@ -12,6 +12,9 @@ unmodified and with exactly its flags, whose children run
 
 ``--command_launcher slurm`` and ``status`` are :mod:`domainbed_vasso.slurm`; with it,
 ``delete_incomplete`` keeps the folders of jobs Slurm still queues or runs.
+``--hparams`` keys that some swept algorithm's registry does not define are refused
+before any job is made, unless ``--allow-unknown-hparams`` is given (then the children
+get it too).
 
 How: stock DomainBed builds each job's command as the string
 ``python -m domainbed.scripts.train --...`` inside ``Job.__init__`` of the
@@ -41,38 +44,38 @@ _FLAGS = {
 }
 
 
-def child_prefix(python=None):
-    """The command prefix of the sweep's children."""
-    return f"{shlex.quote(python or sys.executable)} -m domainbed_vasso.train"
+def child_prefix(python=None, flags=()):
+    """The command prefix of the sweep's children (``flags``: our own train flags)."""
+    return " ".join([f"{shlex.quote(python or sys.executable)} -m domainbed_vasso.train", *flags])
 
 
-def rewrite_command(command, python=None):
-    """``python -m domainbed.scripts.train ARGS`` -> ``<python> -m domainbed_vasso.train ARGS``."""
+def rewrite_command(command, python=None, flags=()):
+    """``python -m domainbed.scripts.train ARGS`` -> ``<python> -m domainbed_vasso.train [FLAGS] ARGS``."""
     if not command.startswith(STOCK_PREFIX + " ") and command != STOCK_PREFIX:
         raise RuntimeError(
             f"domainbed_vasso.sweep: this DomainBed's sweep builds commands that do not start with "
             f"{STOCK_PREFIX!r} (got {command[:80]!r}); it is not supported, see docs/domainbed.md")
-    return child_prefix(python) + command[len(STOCK_PREFIX):]
+    return child_prefix(python, flags) + command[len(STOCK_PREFIX):]
 
 
-def _rewriting(launcher):
-    if getattr(launcher, "_domainbed_vasso_wrapped", False):
-        return launcher
+def _rewriting(launcher, flags=()):
+    launcher = getattr(launcher, "_domainbed_vasso_original", launcher)
 
     def launch(commands):
-        return launcher([rewrite_command(c) for c in commands])
+        return launcher([rewrite_command(c, flags=flags) for c in commands])
 
-    launch._domainbed_vasso_wrapped = True
+    launch._domainbed_vasso_original = launcher
     launch.__name__ = getattr(launcher, "__name__", "launcher")
     launch.__doc__ = getattr(launcher, "__doc__", None)
     return launch
 
 
-def patch_launchers():
-    """Wrap every launcher in DomainBed's ``command_launchers.REGISTRY``; idempotent."""
+def patch_launchers(flags=()):
+    """Wrap every launcher in DomainBed's ``command_launchers.REGISTRY`` (again, with these
+    ``flags``, when already wrapped)."""
     from domainbed import command_launchers
     for name, launcher in list(command_launchers.REGISTRY.items()):
-        command_launchers.REGISTRY[name] = _rewriting(launcher)
+        command_launchers.REGISTRY[name] = _rewriting(launcher, tuple(flags))
     return command_launchers.REGISTRY
 
 
@@ -86,16 +89,18 @@ def main(argv=None):
     from . import hparams as _hp
     _cli.register_or_exit()
     os.environ["PYTHONPATH"] = _locate.child_pythonpath()
-    patch_launchers()
+    argv, allow_unknown = _cli.take_flag(argv, _hp.ALLOW_UNKNOWN)
+    patch_launchers([_hp.ALLOW_UNKNOWN] if allow_unknown else [])  # the children get it too
     guard = contextlib.nullcontext()
     if not any(a in ("-h", "--help") for a in argv):
         args = _cli.known_args(argv, _FLAGS)
-        if args is not None and args.algorithms:
+        if args is not None:
+            from domainbed import algorithms, datasets
             try:
                 overrides = _hp.parse_overrides(args.hparams)
-                for algorithm in args.algorithms:
-                    for dataset in args.datasets or ["PACS"]:
-                        _cli.check_hparams(algorithm, dataset, overrides)
+                for algorithm in (args.algorithms or algorithms.ALGORITHMS) if overrides else ():
+                    for dataset in args.datasets or datasets.DATASETS:  # DomainBed's defaults
+                        _cli.check_hparams(algorithm, dataset, overrides, allow_unknown=allow_unknown)
             except _hp.HParamError as exc:
                 _cli.fail(str(exc))
         command = next((a for a in argv if a in ("launch", "delete_incomplete")), None)

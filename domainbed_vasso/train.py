@@ -8,7 +8,10 @@ Environment: ``DOMAINBED_ROOT`` (where DomainBed is, unless on PYTHONPATH),
 ``DOMAINBED_VASSO_NUM_WORKERS`` (data loader workers per environment; DomainBed's
 default is 8), ``DOMAINBED_VASSO_RESNET_WEIGHTS`` (offline ResNet weights: a .pth
 path, or ``none``). The hparams of SAM, GSAM and VASSO are checked before the data
-is loaded; a bad one stops the run with a message naming it.
+is loaded; a bad one stops the run with a message naming it. So does an ``--hparams``
+key the algorithm's registry does not define (DomainBed would ignore it: a typo would
+train with the default), unless ``--allow-unknown-hparams`` is given (our one flag;
+DomainBed's old behaviour, with a warning).
 """
 
 import sys
@@ -31,13 +34,14 @@ def main(argv=None):
     from . import _cli
     from . import hparams as _hp
     _cli.register_or_exit()
+    argv, allow_unknown = _cli.take_flag(argv, _hp.ALLOW_UNKNOWN)
     if not any(a in ("-h", "--help") for a in argv):
         args = _cli.known_args(argv, _FLAGS)
-        if args is not None and args.algorithm in _hp.SPECS:
+        if args is not None:
             try:
                 overrides = _hp.parse_overrides(args.hparams)
                 _cli.check_hparams(args.algorithm, args.dataset, overrides,
-                                   args.hparams_seed, args.trial_seed)
+                                   args.hparams_seed, args.trial_seed, allow_unknown)
             except _hp.HParamError as exc:
                 _cli.fail(str(exc))
     _cli.run_domainbed_script("domainbed.scripts.train", "domainbed_vasso.train", argv)

@@ -216,9 +216,15 @@ def test_missing_hparam_is_named():
         A.VASSO((3, 4, 4), 3, 2, hp, featurizer=Featurizer(), classifier=nn.Linear(16, 3))
 
 
-def test_unused_knob_warns():
-    with pytest.warns(UserWarning, match="SAM ignores the hparams theta"):
-        H.warn_unused("SAM", {"theta": 0.4, "lr": 1e-3})
+def test_unknown_hparam_keys_are_named_with_the_closest_valid_one():
+    defined = hparams_for("VASSO")
+    assert H.unknown_hparams("VASSO", "PACS", {"theta": 0.5, "lr": 1e-3}, defined) is None
+    message = H.unknown_hparams("VASSO", "PACS", {"theat": 0.5, "rho": 0.1}, defined)
+    assert message == ("--hparams: 'theat' (closest valid: 'theta') is not an hparam of VASSO on PACS "
+                       "(DomainBed would ignore it; --allow-unknown-hparams lets it)")
+    message = H.unknown_hparams("SAM", "PACS", {"theta": 0.4, "zzz": 1}, hparams_for("SAM"))
+    assert message.startswith("--hparams: 'theta' (an hparam of VASSO only), 'zzz' are not hparams of SAM")
+    assert "\n" not in message
 
 
 def test_hparam_defaults_and_random_grids():
