@@ -13,9 +13,12 @@
 # never talks to another Slurm: use it with SLURM_CONF=$LOCAL_SLURM_DIR/slurm.conf.
 # `stop` stops the processes whose ids it recorded, nothing found by name.
 #
-# Needs root (slurmd runs jobs as their submitting user) and Debian's packages
-# `slurm-wlm munge`; `start` installs them with apt-get when they are missing and it
-# runs as root on a Debian-like system (CI), and otherwise says what is missing.
+# Runs as whoever starts it: the three daemons run as that user (SlurmUser and
+# SlurmdUser are that user), which is all a private Slurm needs, except that slurmd
+# can then run jobs of that user only (switching to another user needs root). Root is
+# needed once, for Debian's packages `slurm-wlm munge`: `start` installs them with
+# apt-get when they are missing and it runs as root on a Debian-like system (CI), and
+# otherwise says what is missing and the command that installs them.
 # Node: this host's short name (uname -n) with CPUs=$(nproc), one partition `debug` (Default,
 # OverSubscribe). Accounting is off (no sacct: submitit warns and carries on).
 set -euo pipefail
@@ -62,7 +65,7 @@ install_packages() {
         DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
     else
-        die "missing ${missing[*]} (Debian: apt-get install slurm-wlm munge, as root)"
+        die "missing ${missing[*]}: install Slurm's and munge's daemons once, as root (Debian/Ubuntu: sudo apt-get install slurm-wlm munge); then start this as your user"
     fi
 }
 
@@ -87,8 +90,8 @@ ClusterName=vasso-local
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
-SlurmUser=root
-SlurmdUser=root
+SlurmUser=$(id -un)
+SlurmdUser=$(id -un)
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$MUNGE_SOCKET
@@ -150,7 +153,6 @@ start() {
         echo "export SLURM_CONF=$CONF"
         return 0
     fi
-    [ "$(id -u)" -eq 0 ] || die "needs root (slurmd runs jobs as their users); run as root or use your cluster"
     install_packages
     stop >/dev/null  # whatever part of an earlier start is left
     mkdir -p "$DIR"/{munge,state,spool,run,log}
