@@ -34,6 +34,7 @@ test command); the commands that need it skip without one.
 
 import glob
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -167,6 +168,18 @@ COMMANDS = classified(
         "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
         + "import plugins.perturbation\n", append=EXPLICIT_CHECK, expect=("stability",))),
 
+    ("python: opt = SAM(model.parameters(), torch.optim.AdamW, rho=0.05, rho_min=0.0, gsam_alpha=0.3,", substitute(
+        "the snippet uses the reader's model; the check runs the schedule to its end",
+        prelude="import torch\nfrom plugins import SAM\nmodel = torch.nn.Linear(4, 3)\n",
+        append="rhos = []\n"
+               "for step in range(10001):\n"
+               "    rhos.append(opt.current_rho())\n"
+               "    opt.base_optimizer.step()\n"
+               "    sched.step()\n"
+               "assert rhos[0] == 0.0 and max(rhos) == 0.05 and abs(rhos[-1] - 5e-4) < 1e-12, rhos[-1]\n"
+               "print('rho', rhos[0], max(rhos), rhos[-1])\n",
+        expect=("rho 0.0 0.05",))),
+
     # ---- docs/diagnostics.md
     (".venv/bin/vasso-plot RUNS/sam/seed1 RUNS/vasso0.4/seed1 -o RUNS/diagnostics.png",
      substitute("RUNS: the demo's run folders", {"RUNS/": "runs/demo/runs/"}, needs=(DEMO,))),
@@ -244,7 +257,7 @@ COMMANDS = classified(
         COLLECT_ONLY, domainbed=True,
         check="DOMAINBED_ROOT={DOMAINBED_ROOT} .venv/bin/python -m pytest -q --collect-only tests/slurm")),
     ("bash scripts/local_slurm.sh start", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
-    ("export SLURM_CONF=/tmp/vasso-slurm-$(id -u)/slurm.conf", run()),
+    ("export SLURM_CONF=/tmp/vasso-slurm-$UID/slurm.conf", run()),
     ("sinfo; srun -n2 hostname", check_only(LOCAL_SLURM, check="bash -n -c 'sinfo; srun -n2 hostname'")),
     ("bash scripts/local_slurm.sh status", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
     ("bash scripts/local_slurm.sh stop", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
@@ -431,6 +444,7 @@ def workspace(tmp_path_factory, request):
         os.symlink(os.path.join(REPO, name), ws / name)
     os.symlink(_venv(), ws / ".venv")
     ws = str(ws)
+    _STATUS_BEFORE.append(git_status())
     # queue the selected tests' commands now (see _POOL): first what the others need (the
     # demo), then the checks
     selected = [item.callspec.params["cmd"] for item in request.session.items
@@ -491,6 +505,15 @@ def exports_before(cmd):
                     continue
                 lines.append(as_run(other, how))
     return lines
+
+
+def git_status():
+    """``git status --porcelain`` of the repository, every untracked file listed."""
+    return subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=all"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+_STATUS_BEFORE = []  # the repository's status when the workspace was made
 
 
 # Every script runs once per session, on a pool as wide as CI's machine (2 cores): the
@@ -642,3 +665,123 @@ def test_documented_command(cmd, workspace):
     for needle in how.expect:
         assert needle in out, (f"{cmd.at}: the output of\n{script}\nlacks {needle!r}; last output:\n"
                                f"{out[-4000:]}")
+
+
+def test_no_documented_command_uses_sudo():
+    # a newcomer may have no sudo: what needs root is said in prose (docs/domainbed.md)
+    bad = [f"{c.at}: {c.text}" for c in DOCUMENTED if c.lang == "sh" and "sudo" in shlex.split(c.text, comments=True)]
+    bad += [f"{rel}: `{span}`" for rel in DOC_FILES for span in _code_spans(rel) if "sudo" in span.split()]
+    assert not bad, "documented commands that use sudo:\n  " + "\n  ".join(bad)
+
+
+# ------------------------------------------------------------------ the paths the prose names
+
+_LINK = re.compile(r"!?\[(?:[^\]\n]|\][^(])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)")
+_STRIP = "\"'.,;:()[]"
+
+
+def _doc_text(rel):
+    with open(os.path.join(REPO, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+def _prose(rel):
+    """The doc's text with its code blocks (fenced or indented, fences included) blanked."""
+    lines = _doc_text(rel).split("\n")
+    for first, _lang, body in code_blocks("\n".join(lines)):
+        start, end = first - 1, first - 1 + len(body)  # 0-based, the body
+        if start > 0 and lines[start - 1].lstrip().startswith("```"):
+            start, end = start - 1, end + 1  # the fences
+        for i in range(start, min(end, len(lines))):
+            lines[i] = ""
+    return "\n".join(lines)
+
+
+def _code_spans(rel):
+    return [m.group(2).strip() for m in _SPAN.finditer(_prose(rel))]
+
+
+def _top_level():
+    """The names at the top of the repository that a clone holds (tracked, or new and not ignored)."""
+    names = set()
+    for name in os.listdir(REPO):
+        if name == ".git" or os.path.islink(os.path.join(REPO, name)):  # .venv in a worktree
+            continue
+        path = name + "/" if os.path.isdir(os.path.join(REPO, name)) else name
+        if subprocess.run(["git", "-C", REPO, "check-ignore", "-q", "--no-index", "--", path]).returncode == 1:
+            names.add(name)
+    return names
+
+
+def repository_paths(rel, top=None):
+    """[(path relative to the repository, how it was named)] of ``rel``: every markdown link
+    target that is not a URL or an anchor (relative to the doc's folder), and every word in
+    a code span or a command block that starts with a top-level entry of the repository
+    followed by ``/`` (relative to the repository root, where the docs' commands run), or is
+    one of its top-level files. Words holding placeholders (``<...>``, ``*``, ``{...}``, ``$``,
+    ``...``) are patterns, not paths."""
+    top = _top_level() if top is None else top
+    found = []
+    text = _doc_text(rel)
+    for m in _LINK.finditer(_prose(rel)):
+        target = m.group(1).split("#")[0]
+        if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue
+        found.append((os.path.normpath(os.path.join(os.path.dirname(rel), target)), f"link ({m.group(1)})"))
+    words = [(w, "`" + span + "`") for span in _code_spans(rel) for w in span.split()]
+    for first, lang, body in code_blocks(text):
+        if lang not in OUTPUT_LANGS:
+            words += [(w, f"code block at {rel}:{first}") for line in body for w in line.split()]
+    for word, where in words:
+        word = word.split("=", 1)[-1] if word.startswith("--") else word  # --flag=path
+        word = word.strip(_STRIP)
+        if word.startswith("./"):
+            word = word[2:]
+        if not word or any(mark in word for mark in ("<", ">", "*", "{", "}", "$", "...", "?", "|")):
+            continue
+        head = word.split("/")[0]
+        if head in top and ("/" in word or not os.path.isdir(os.path.join(REPO, head))):
+            found.append((os.path.normpath(word), where))
+    return found
+
+
+def test_path_extraction_finds_links_spans_and_commands(tmp_path, monkeypatch):
+    doc = ("See [the design](design.md#6-rho) and ![a plot](img/x.png), [a site](https://example.org).\n"
+           "Run `.venv/bin/python scripts/demo.py --out runs/x`, or read `plugins/optimizer.py:12`,\n"
+           "`setup.cfg`, `plugins.plot` and `docs/digits/*.json`.\n\n"
+           "    bash scripts/domainbed/digits_sweep.sh sweep/digits   # scripts/in_a_comment.sh\n\n"
+           "```text\nscripts/only_output.py\n```\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text(doc)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
+    found = [path for path, _ in repository_paths("docs/page.md", top={"scripts", "plugins", "docs", "setup.cfg"})]
+    assert found == ["docs/design.md", "docs/img/x.png", "scripts/demo.py", "plugins/optimizer.py:12",
+                     "setup.cfg", "scripts/domainbed/digits_sweep.sh", "scripts/in_a_comment.sh"]
+
+
+def test_every_repository_path_the_docs_name_exists():
+    top = _top_level()
+    missing = []
+    for rel in DOC_FILES:
+        for path, where in repository_paths(rel, top):
+            path = re.sub(r":\d+$", "", path)  # file:line
+            if not os.path.exists(os.path.join(REPO, path)):
+                missing.append(f"{rel}: {path} (named in {where})")
+    assert not missing, "the docs name repository paths that do not exist:\n  " + "\n  ".join(missing)
+
+
+def test_documented_commands_leave_the_clone_clean(workspace):
+    # last in this file: after the commands above ran. Whatever a documented command writes
+    # by default must land in a git-ignored place, so that `git status` stays empty.
+    if not _DONE:
+        pytest.skip("no documented command ran in this session")
+    for future in list(_DONE.values()):
+        future.result()
+    assert git_status() == _STATUS_BEFORE[0], "documented commands changed the repository's git status"
+    new = sorted(name + ("/" if os.path.isdir(os.path.join(workspace, name)) else "")
+                 for name in os.listdir(workspace) if not os.path.islink(os.path.join(workspace, name)))
+    shown = [name for name in new if subprocess.run(
+        ["git", "-C", REPO, "check-ignore", "-q", "--no-index", "--", name]).returncode != 0]
+    assert not shown, ("documented commands wrote these at the top of a clone, where `git status` "
+                       "shows them (add them to .gitignore, or write elsewhere): " + ", ".join(shown))
