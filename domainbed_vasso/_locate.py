@@ -67,8 +67,10 @@ def exit_if_requirement_missing(entry):
 def _how_to_fix(detail):
     return (
         "domainbed_vasso needs a DomainBed checkout (it is not a pip package). "
-        f"{detail}\nFix: git clone https://github.com/facebookresearch/DomainBed /path/to/DomainBed "
-        f"(tested at commit {TESTED_COMMIT[:7]}), then either\n"
+        f"{detail}\nFix: in a clone of this project, `bash scripts/setup_env.sh --with-domainbed` "
+        f"installs DomainBed at the tested commit ({TESTED_COMMIT[:7]}) into .venv, where it is found "
+        "without any variable. Or git clone https://github.com/facebookresearch/DomainBed "
+        "/path/to/DomainBed, then either\n"
         f"    export {ENV_ROOT}=/path/to/DomainBed\n"
         "or put /path/to/DomainBed on PYTHONPATH. DomainBed imports wilds and timm at import "
         "time: pip install wilds timm (or this project's [domainbed] extra).")

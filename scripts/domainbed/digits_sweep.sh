@@ -3,7 +3,11 @@
 # DomainBed's sweep of ERM, SAM and VASSO over RotatedDigits (scikit-learn's digits,
 # one domain per rotation angle: domainbed_vasso/digits_dataset.py), then the table.
 #
-#   DOMAINBED_ROOT=/path/to/DomainBed bash scripts/domainbed/digits_sweep.sh [OUTPUT_DIR]
+#   bash scripts/domainbed/digits_sweep.sh [OUTPUT_DIR]
+#
+# DomainBed is found as domainbed_vasso finds it: DOMAINBED_ROOT when set, else the copy
+# `bash scripts/setup_env.sh --with-domainbed` installed into .venv (or PYTHONPATH);
+# without one it stops at once with the fix.
 #
 # OUTPUT_DIR defaults to sweep/digits (git-ignored). Re-running resumes: DomainBed's
 # sweep skips the jobs that are done. 3 algorithms x 3 trials x 10 test-domain sets
@@ -18,8 +22,13 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${1:-sweep/digits}
 shift || true
-: "${DOMAINBED_ROOT:?set DOMAINBED_ROOT to a DomainBed checkout (git clone https://github.com/facebookresearch/DomainBed)}"
-export DOMAINBED_ROOT OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# before anything is written, and on the terminal (the sweep's own output goes to its log)
+"$PY" -c 'import sys, domainbed_vasso
+try:
+    domainbed_vasso.register()
+except domainbed_vasso.DomainBedNotFound as exc:
+    sys.exit(f"digits_sweep.sh: error: {exc}")'
 HPARAMS='{"mlp_width": 128, "mlp_depth": 3, "mlp_dropout": 0.0, "lr": 0.001, "batch_size": 64}'
 mkdir -p "$OUT"
 "$PY" -m domainbed_vasso.sweep launch --datasets RotatedDigits --algorithms ERM SAM VASSO \

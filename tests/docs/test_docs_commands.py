@@ -197,7 +197,7 @@ COMMANDS = classified(
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
     (".venv/bin/python scripts/digits/experiments.py tradeoff", check_only("about 5 minutes on 2 cores")),
     (".venv/bin/python scripts/digits/experiments.py spectra", check_only("about 5 minutes on 2 cores")),
-    ("DOMAINBED_ROOT=/path/to/DomainBed bash scripts/domainbed/digits_sweep.sh", check_only(
+    ("bash scripts/domainbed/digits_sweep.sh", check_only(
         "90 DomainBed jobs, about 34 minutes on 2 cores", check="bash -n scripts/domainbed/digits_sweep.sh")),
     (".venv/bin/python -m pytest tests/digits", check_only(
         COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/digits")),

@@ -34,6 +34,7 @@ def test_missing_domainbed_says_how_to_fix(module, tmp_path):
                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "neither on sys.path nor named by DOMAINBED_ROOT" in proc.stderr
+    assert "bash scripts/setup_env.sh --with-domainbed" in proc.stderr  # the fix in a clone
     assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -176,3 +177,35 @@ def test_help_lists_domainbeds_flags_despite_its_bare_percent(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--uda_holdout_fraction" in proc.stdout and "% of test" in proc.stdout
     assert "--algorithm" in proc.stdout
+
+
+DIGITS_SWEEP = os.path.join(ROOT, "scripts", "domainbed", "digits_sweep.sh")
+
+
+def test_digits_sweep_finds_domainbed_without_domainbed_root(tmp_path):
+    """As after `setup_env.sh --with-domainbed`: DomainBed on sys.path, no DOMAINBED_ROOT
+    (DomainBed's dummy launcher: the 90 jobs are printed, not run)."""
+    from domainbed_testlib import DOMAINBED, SKIP_REASON
+    if DOMAINBED is None:
+        pytest.skip(SKIP_REASON)
+    env = clean_env(PYTHONPATH=os.pathsep.join([ROOT, DOMAINBED]), PYTHON=sys.executable)
+    assert "DOMAINBED_ROOT" not in env
+    out = tmp_path / "sweep"
+    proc = subprocess.run(["bash", DIGITS_SWEEP, str(out), "--command_launcher", "dummy"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    log = (out / "sweep.log").read_text()
+    assert "Launched 90 jobs" in log, proc.stderr[-3000:] + log[-3000:]
+    assert log.count(f"{sys.executable} -m domainbed_vasso.train --algorithm") == 90
+    assert "DOMAINBED_ROOT" not in proc.stderr
+
+
+def test_digits_sweep_without_domainbed_names_the_fix_before_writing(tmp_path):
+    out = tmp_path / "sweep"
+    proc = subprocess.run(["bash", DIGITS_SWEEP, str(out)], cwd=tmp_path, env=clean_env(PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=120)
+    if "needs a DomainBed checkout" not in proc.stderr:
+        pytest.skip("DomainBed is importable without DOMAINBED_ROOT (setup_env.sh --with-domainbed)")
+    assert proc.returncode != 0
+    assert "digits_sweep.sh: error: domainbed_vasso needs a DomainBed checkout" in proc.stderr
+    assert "bash scripts/setup_env.sh --with-domainbed" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
