@@ -32,6 +32,7 @@ import sys
 
 from . import _locate
 from . import slurm as _slurm
+from .download import missing_dataset
 
 STOCK_PREFIX = "python -m domainbed.scripts.train"
 
@@ -40,6 +41,7 @@ _FLAGS = {
     "--algorithms": dict(nargs="+", type=str, default=None),
     "--hparams": dict(type=str, default=None),
     "--output_dir": dict(type=str, default=None),
+    "--data_dir": dict(type=str, default=None),
     "--command_launcher": dict(type=str, default=None),
 }
 
@@ -104,6 +106,11 @@ def main(argv=None):
             except _hp.HParamError as exc:
                 _cli.fail(str(exc))
         command = next((a for a in argv if a in ("launch", "delete_incomplete")), None)
+        if args is not None and command == "launch" and args.command_launcher != "dummy":  # dummy runs nothing
+            for dataset in args.datasets or datasets.DATASETS:
+                missing = missing_dataset(dataset, args.data_dir)
+                if missing:
+                    _cli.fail(missing)
         try:
             if args is not None and command == "launch" and args.command_launcher == "slurm":
                 _slurm.preflight()  # before DomainBed makes the job folders

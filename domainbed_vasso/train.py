@@ -11,14 +11,17 @@ path, or ``none``). The hparams of SAM, GSAM and VASSO are checked before the da
 is loaded; a bad one stops the run with a message naming it. So does an ``--hparams``
 key the algorithm's registry does not define (DomainBed would ignore it: a typo would
 train with the default), unless ``--allow-unknown-hparams`` is given (our one flag;
-DomainBed's old behaviour, with a warning).
+DomainBed's old behaviour, with a warning). An image dataset missing from ``--data_dir``
+stops it with the download command (:mod:`domainbed_vasso.download`).
 """
 
 import sys
 
 from . import _locate
+from .download import missing_dataset
 
 _FLAGS = {
+    "--data_dir": dict(type=str, default=None),
     "--dataset": dict(type=str, default="RotatedMNIST"),
     "--algorithm": dict(type=str, default="ERM"),
     "--hparams": dict(type=str, default=None),
@@ -44,6 +47,9 @@ def main(argv=None):
                                    args.hparams_seed, args.trial_seed, allow_unknown)
             except _hp.HParamError as exc:
                 _cli.fail(str(exc))
+            missing = missing_dataset(args.dataset, args.data_dir)
+            if missing:
+                _cli.fail(missing)
     _cli.run_domainbed_script("domainbed.scripts.train", "domainbed_vasso.train", argv)
 
 

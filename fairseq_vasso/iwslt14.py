@@ -97,8 +97,15 @@ def download(orig_dir, urls=URLS):
                 break
             except Exception as e:  # try the next mirror
                 errors.append("%s: %s" % (url, e))
+                if os.path.exists(archive + ".part"):
+                    os.remove(archive + ".part")
         else:
-            raise SystemExit("Data not successfully downloaded:\n  " + "\n  ".join(errors))
+            raise SystemExit(
+                "IWSLT-14's de-en.tgz could not be downloaded into %s:\n  %s\n"
+                "Fix: get de-en.tgz elsewhere (e.g. %s, on a machine with network) and pass "
+                "--archive path/to/de-en.tgz, or pass --raw-dir path/to/de-en (the extracted folder: "
+                "train.tags.de-en.*, IWSLT14.TED*.xml); --url tries another mirror."
+                % (orig_dir, "\n  ".join(errors), urls[0] if urls else URLS[0]))
     print("Data successfully downloaded.", flush=True)
     return extract(archive, orig_dir)
 

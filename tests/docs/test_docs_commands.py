@@ -156,6 +156,12 @@ COMMANDS = classified(
         needs=(DEMO,), expect=("done training",))),
     ("export DOMAINBED_ROOT=/path/to/DomainBed", substitute(
         "the test's DomainBed checkout", {"/path/to/DomainBed": "{DOMAINBED_ROOT}"}, domainbed=True)),
+    (".venv/bin/pip install gdown", check_only(
+        "network, and it would change the test's environment: pip's own flags parse",
+        expect=("--upgrade",))),
+    (".venv/bin/python -m domainbed_vasso.download --data_dir ./data PACS", check_only(
+        "a download of about 200 MB (tests/domainbed checks the error that names this command)",
+        expect=("TerraIncognita",))),
     (DOMAINBED_TRAIN, check_only(GPU_DOMAINBED, domainbed=True, expect=("--test_envs",))),
     (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
      "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
@@ -209,6 +215,8 @@ COMMANDS = classified(
     ("git -C /path/to/DomainBed checkout b93c22a", check_only(
         "the test's DomainBed is a copy of b93c22a without git metadata, and shared: only git's presence",
         check="git --version")),
+    (".venv/bin/python -m domainbed_vasso.download --data_dir ./data VLCS OfficeHome TerraIncognita", check_only(
+        "downloads of several GB", expect=("TerraIncognita",))),
     (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
      "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
      "--command_launcher local --hparams '{\"resnet50_augmix\": false, \"freeze_bn\": true}'",

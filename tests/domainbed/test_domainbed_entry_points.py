@@ -209,3 +209,35 @@ def test_digits_sweep_without_domainbed_names_the_fix_before_writing(tmp_path):
     assert "digits_sweep.sh: error: domainbed_vasso needs a DomainBed checkout" in proc.stderr
     assert "bash scripts/setup_env.sh --with-domainbed" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("module, extra", [
+    ("domainbed_vasso.train", ["--algorithm", "VASSO", "--test_envs", "0", "--output_dir", "OUT"]),
+    ("domainbed_vasso.sweep", ["launch", "--algorithms", "VASSO", "--output_dir", "OUT", "--command_launcher",
+                               "local", "--skip_confirmation", "--n_hparams", "1", "--n_trials", "1"]),
+])
+def test_a_dataset_that_needs_a_download_names_the_command(tmp_path, module, extra):
+    from domainbed_testlib import DOMAINBED, SKIP_REASON
+    if DOMAINBED is None:
+        pytest.skip(SKIP_REASON)
+    out, data = tmp_path / "out", tmp_path / "data"
+    argv = [a if a != "OUT" else str(out) for a in extra]
+    proc = subprocess.run([sys.executable, "-m", module, "--dataset" if module.endswith("train") else "--datasets",
+                           "PACS", "--data_dir", str(data), *argv], cwd=tmp_path,
+                          env=clean_env(DOMAINBED_ROOT=DOMAINBED), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"domainbed_vasso: error: --dataset PACS reads {data / 'PACS'}, which does not exist: download it "
+            f"first (9,991 images, about 200 MB): .venv/bin/python -m domainbed_vasso.download --data_dir {data} PACS"
+            in proc.stderr)
+    assert "Traceback" not in proc.stderr and not out.exists()
+    (data / "PACS").mkdir(parents=True)
+    from domainbed_vasso.download import missing_dataset
+    assert missing_dataset("PACS", str(data)) is None and missing_dataset("Debug28", str(data)) is None
+
+
+def test_download_lists_the_datasets():
+    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.download", "--help"], env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for name in ("PACS", "VLCS", "OfficeHome", "TerraIncognita", "DomainNet", "--data_dir"):
+        assert name in proc.stdout

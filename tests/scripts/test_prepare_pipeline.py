@@ -4,6 +4,8 @@
 import os
 import tarfile
 
+import pytest
+
 from fairseq_vasso import iwslt14 as prep
 from fairseq_vasso.bleu import dataset_size
 
@@ -133,3 +135,14 @@ def test_download_falls_back_to_the_next_url_and_extracts(tmp_path):
     assert out == str(orig / "de-en")
     assert (orig / "de-en.tgz").read_bytes() == archive.read_bytes()
     assert sorted(os.listdir(out)) == sorted(os.listdir(raw))
+
+
+def test_a_failed_download_names_archive_and_raw_dir(tmp_path):
+    orig = tmp_path / "orig"
+    missing = "file://" + str(tmp_path / "missing.tgz")
+    with pytest.raises(SystemExit) as info:
+        prep.download(str(orig), urls=[missing])
+    message = str(info.value)
+    assert f"could not be downloaded into {orig}" in message and missing in message
+    assert "--archive path/to/de-en.tgz" in message and "--raw-dir path/to/de-en" in message
+    assert os.listdir(orig) == []  # no partial archive left for the next run to take for a whole one
