@@ -40,6 +40,7 @@ subtract; everything else restores from the ``anchor`` copy, exactly.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import operator
 import warnings
@@ -680,16 +681,11 @@ class SAM(SharpnessAware):
     1.0
     """
 
-    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, adaptive: bool = False,
-                 eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
-                 rho_min: Optional[float] = None, lr_max: Optional[float] = None, lr_min: float = 0.0,
-                 track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
-        if "theta" in base_kwargs:
+    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, **kwargs):
+        if "theta" in kwargs:
             raise ValueError("SAM takes no theta: its slope is the raw gradient g_t; "
                              "use VASSO(..., theta=...) for the moving average d_t")
-        super().__init__(params, base_optimizer, rho, theta=None, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, rho_min=rho_min, lr_max=lr_max, lr_min=lr_min,
-                         track_stability=track_stability, exact_restore=exact_restore, **base_kwargs)
+        super().__init__(params, base_optimizer, rho, theta=None, **kwargs)
 
 
 class VASSO(SharpnessAware):
@@ -714,12 +710,22 @@ class VASSO(SharpnessAware):
     ['slope']
     """
 
-    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4,
-                 adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
-                 rho_min: Optional[float] = None, lr_max: Optional[float] = None, lr_min: float = 0.0,
-                 track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
+    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4, **kwargs):
         if theta is None:
             raise ValueError("theta must be in (0, 1], got None (use SAM for the raw gradient)")
-        super().__init__(params, base_optimizer, rho, theta=theta, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, rho_min=rho_min, lr_max=lr_max, lr_min=lr_min,
-                         track_stability=track_stability, exact_restore=exact_restore, **base_kwargs)
+        super().__init__(params, base_optimizer, rho, theta=theta, **kwargs)
+
+
+def _family_signature(theta: Optional[inspect.Parameter]) -> inspect.Signature:
+    """:class:`SharpnessAware`'s signature with ``theta`` removed (SAM) or given its
+    default (VASSO): the knobs are declared and documented once, there, while
+    ``help()`` and editors still show every keyword of each class."""
+    params = [p for p in inspect.signature(SharpnessAware.__init__).parameters.values() if p.name != "theta"]
+    if theta is not None:
+        params.insert(next(i for i, p in enumerate(params) if p.kind is p.KEYWORD_ONLY), theta)
+    return inspect.Signature(params)
+
+
+SAM.__init__.__signature__ = _family_signature(None)
+VASSO.__init__.__signature__ = _family_signature(
+    inspect.Parameter("theta", inspect.Parameter.KEYWORD_ONLY, default=0.4, annotation=float))

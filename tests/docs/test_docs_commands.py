@@ -177,7 +177,7 @@ COMMANDS = classified(
                 {"sam.log vasso.log evasso.log":
                  "runs/demo/runs/sam/seed1/train.log runs/demo/runs/vasso0.4/seed1/train.log"},
                 needs=(DEMO,))),
-    (".venv/bin/python -m plugins.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
+    (".venv/bin/python -m plugins.lab.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
 
     # ---- docs/digits_results.md
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),

@@ -191,7 +191,7 @@ def test_fp32_nonfinite_raises_floating_point_error(toy_data, tmp_path, fs, whic
     (["--zero-sharding", "os"], "--zero-sharding"),
 ])
 def test_unsupported_modes_are_refused(toy_data, tmp_path, fs, flags, named):
-    from fairseq_vasso.trainer_hooks import UnsupportedMode
+    from fairseq_vasso.hooks import UnsupportedMode
 
     with pytest.raises(UnsupportedMode, match=named.replace("-", r"\-")) as info:
         fs.train(fs.model_args(toy_data, tmp_path, extra=flags + ["--no-save"]))

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..tables import markdown_table
 from .models import METHODS, P_EFFICIENT, STATE_ONLY
 
 TARGETS_TEXT = {
@@ -122,12 +123,6 @@ def target_rows(results: Dict[str, Any]) -> List[List[str]]:
     return rows
 
 
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def render(results: Dict[str, Any]) -> str:
     m = results["machine"]
     out = [f"## Benchmark ({results['mode']} mode), {results['date']}", "",
@@ -135,7 +130,7 @@ def render(results: Dict[str, Any]) -> str:
            f"torch {m['torch']}, Python {m['python']}, torch.set_num_threads({m['threads']}) in every process; "
            f"load average at start {m['loadavg_1_5_15']}, at end {results.get('loadavg_end')}.",
            f"Command: `{results['command']}`", "",
-           "### Targets", "", _md_table(["target", "where", "measured", "verdict"], target_rows(results)), ""]
+           "### Targets", "", markdown_table(["target", "where", "measured", "verdict"], target_rows(results)), ""]
 
     timing = results.get("timing", {})
     if timing:
@@ -151,7 +146,7 @@ def render(results: Dict[str, Any]) -> str:
                              _fmt(row["restore"], ".2f"), f"{100 * row['sa_share']:.2f}%",
                              f"{100 * row['outside_fwdbwd_share']:.1f}%", _fmt(row["passes_per_update"], ".2f"),
                              str(row["repeats"])])
-        out += [_md_table(["model", "method", "ms/update", "over AdamW", "fwd+bwd ms", "base step ms",
+        out += [markdown_table(["model", "method", "ms/update", "over AdamW", "fwd+bwd ms", "base step ms",
                            "perturb ms", "restore ms", "SA work %", "outside fwd/bwd %", "passes/update",
                            "repeats"], rows), ""]
         for md, t in timing.items():
@@ -205,7 +200,7 @@ def render(results: Dict[str, Any]) -> str:
                              _fmt(s["extra_state_bytes"] / pb, ".3f"),
                              "n/a" if h is None else f"{h / 2**20:.1f} MiB", _fmt(extra, "+.2f"),
                              "n/a" if g is None else f"{g / 2**20:.1f} MiB"])
-        out += [_md_table(["model", "method", "param bytes", "base state / params", "extra state / params",
+        out += [markdown_table(["model", "method", "param bytes", "base state / params", "extra state / params",
                            "peak heap growth", "extra peak / params", "peak RSS growth"], rows), ""]
 
     fs = results.get("fairseq")
@@ -221,7 +216,7 @@ def render(results: Dict[str, Any]) -> str:
                  _fmt(fs.get(f"{o}_time_over_adam"), ".3f") if o != "adam" else "1",
                  _fmt(u, ".2f"), _fmt(1.0 / fs[f"{o}_ups_time_over_adam"], ".3f") if o != "adam" else "1"]
                 for o, u in fs["ups"].items()]
-        out += [_md_table(["--optimizer", "CPU ms/update", "per run", "time per update over adam",
+        out += [markdown_table(["--optimizer", "CPU ms/update", "per run", "time per update over adam",
                            "updates/sec (fairseq ups)", "ups over adam's"], rows), ""]
         if "vasso_time_over_sam" in fs:
             out.append(f"- VASSO / SAM (CPU time per update, fairseq): {_fmt(fs['vasso_time_over_sam'])}")

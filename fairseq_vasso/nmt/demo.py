@@ -12,10 +12,10 @@ keep clean references, and every run trains well past AdamW's best valid loss. T
 test BLEU is that of the last checkpoint, the model the training budget ends with.
 
 1. generates a deterministic toy German->English parallel corpus
-   (``fairseq_vasso.toy_corpus``: articles and case, verb agreement, verb-second and
+   (``fairseq_vasso.nmt.toy_corpus``: articles and case, verb agreement, verb-second and
    verb-final word order, perfect tense, negation) and misaligns a fraction of the
    training pairs (``toy_corpus.corrupt_targets``);
-2. prepares it with the IWSLT-14 pipeline's own steps (``fairseq_vasso.iwslt14``:
+2. prepares it with the IWSLT-14 pipeline's own steps (``fairseq_vasso.nmt.iwslt14``:
    Moses tokenization with sacremoses, lowercasing, joint BPE with subword-nmt,
    ``fairseq-preprocess --joined-dictionary``);
 3. trains a tiny transformer with stock ``fairseq-train --user-dir fairseq_vasso``,
@@ -23,17 +23,17 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    and ``--optimizer vasso --rho R --theta 0.4``: same number of updates, otherwise
    identical commands (the recipe's settings, scaled down); the corpus and its noise
    are the same for every run, the seed is fairseq's ``--seed``;
-4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s code (``fairseq_vasso.bleu``)
+4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s code (``fairseq_vasso.nmt.bleu``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
    BLEU and sacreBLEU) and prints the table: mean ± std per method beside the per-seed
    values, the last and best valid loss, fairseq_vasso's loss gap and stability, and
    whether the differences between methods exceed the spread over seeds; then a
    per-run table of the training diagnostics;
-5. plots the diagnostics (``vasso-plot``, ``plugins.plot.diagnostics``: ||eps_t - eps_{t-1}|| and
+5. plots the diagnostics (``vasso-plot``, ``plugins.lab.plot.diagnostics``: ||eps_t - eps_{t-1}|| and
    the perturbed-loss gap over updates, SAM and VASSO on the same axes, the paper's
    Fig. 4) into ``runs/demo/diagnostics.png``, and draws the paper's Fig. 3
-   (``plugins.plot.sphere``) into ``runs/demo/adversaries.png``.
+   (``plugins.lab.plot.sphere``) into ``runs/demo/adversaries.png``.
 
 Every few seconds it prints where each running job is, the elapsed time and an
 estimate of what remains; at the end, the CPU time used, which on a shared machine
@@ -54,7 +54,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from .bleu import fmt_mean_std, mean_std
+from plugins.lab.tables import fmt_mean_std, mean_std
 
 DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 # torch's, printed by every process that imports fairseq (fairseq decorates functions with
@@ -113,8 +113,8 @@ def check_dependencies():
 
 
 def prepare(out, args, log):
-    from fairseq_vasso import iwslt14 as prep
-    from fairseq_vasso import toy_corpus
+    from fairseq_vasso.nmt import iwslt14 as prep
+    from fairseq_vasso.nmt import toy_corpus
 
     raw = os.path.join(out, "raw")
     toy_corpus.write_corpus(raw, args.train, args.valid, args.test, seed=args.corpus_seed,
@@ -144,8 +144,8 @@ def run_dir(out, method, seed):
 
 
 def train_one(data, method, seed, out, args, user_dir, env):
-    from fairseq_vasso import nmt as nmt_common
-    from fairseq_vasso.nmt import train_command
+    from fairseq_vasso.nmt import recipe as nmt_common
+    from fairseq_vasso.nmt.recipe import train_command
 
     save_dir = run_dir(out, method, seed)
     extra = ["--max-update", str(args.max_update)]
@@ -284,7 +284,7 @@ RUN_DIAG = [("train_loss", "train loss"), ("valid_loss", "valid loss"), ("valid_
 
 
 def label_of(method):
-    from fairseq_vasso import nmt as nmt_common
+    from fairseq_vasso.nmt import recipe as nmt_common
 
     return nmt_common.METHODS[method].label
 
@@ -391,7 +391,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="train on CPU even where CUDA is available")
     p.add_argument("--user-dir", default=None, help="fairseq_vasso folder (default: the repository's or installed one)")
     args = p.parse_args(argv)
-    from fairseq_vasso import nmt as nmt_common
+    from fairseq_vasso.nmt import recipe as nmt_common
 
     unknown = [m for m in args.methods if m not in nmt_common.METHODS]
     if unknown:
@@ -410,8 +410,8 @@ def main(argv=None):
     check_dependencies()
     import shutil
 
-    from fairseq_vasso import bleu as eval_bleu
-    from fairseq_vasso import nmt as nmt_common
+    from fairseq_vasso.nmt import bleu as eval_bleu
+    from fairseq_vasso.nmt import recipe as nmt_common
 
     t0 = time.time()
 
@@ -531,8 +531,8 @@ def main(argv=None):
 
     log("stage 4/4: plots")
     # the paper's Fig. 4 (stability) and the loss gap for these runs, and its Fig. 3
-    from plugins.plot import diagnostics as plot_diagnostics
-    from plugins.plot import sphere as adversary_sphere
+    from plugins.lab.plot import diagnostics as plot_diagnostics
+    from plugins.lab.plot import sphere as adversary_sphere
 
     runs = ["%s s%d=%s" % (m, s, os.path.join(run_dir(out, m, s), "train.log"))  # a label=path spec: no '=' in it
             for m in methods if passes(m) > 1 for s in seeds]
