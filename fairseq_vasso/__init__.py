@@ -12,9 +12,9 @@ The plugin is this package's root, in the shape of fairseq's own ``optim/adam.py
   unsupported modes right after the command line is parsed (one line, exit status
   2, before the task, model or data are built) and runs the second forward/backward
   pass inside ``Trainer.train_step``;
-* ``argparse.Namespace`` allow-listed for ``torch.load(weights_only=True)``, so that
-  fairseq checkpoints load with torch's protection on (torch >= 2.6 refuses them
-  otherwise).
+* ``argparse.Namespace`` allow-listed for ``torch.load(weights_only=True)`` at import,
+  so that fairseq checkpoints load with torch's protection on (torch >= 2.6 refuses
+  them otherwise).
 
 Importing this package imports no fairseq: it registers the optimizers and installs
 the hooks as soon as fairseq is imported, at once when fairseq already is (as under
@@ -34,10 +34,14 @@ import importlib.abc
 import importlib.util
 import sys
 
+import torch
+
 from ._foreign_warnings import silence_foreign_warnings
 
 # before fairseq-train reaches Hydra (it imports the user-dir first): see the module
 silence_foreign_warnings()
+if hasattr(torch.serialization, "add_safe_globals"):  # fairseq checkpoints hold a Namespace
+    torch.serialization.add_safe_globals([argparse.Namespace])
 
 __all__ = ["register"]
 
@@ -45,10 +49,6 @@ __all__ = ["register"]
 def register() -> None:
     """Register ``--optimizer sam|vasso`` with fairseq and install the hooks
     (:mod:`fairseq_vasso.hooks`); idempotent.  Imports fairseq."""
-    import torch
-
-    if hasattr(torch.serialization, "add_safe_globals"):
-        torch.serialization.add_safe_globals([argparse.Namespace])
     from . import hooks, optimizer  # noqa: F401  (registering and patching are their import)
 
 

@@ -146,7 +146,7 @@ COMMANDS = classified(
         expect=("ascent_norm",))),
     ("python: rng = rng_state()", substitute(
         "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
-        + "from plugins.perturbation import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
+        + "from plugins import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
     (FAIRSEQ_TRAIN, substitute(
         "IWSLT-14 needs a download and the model is GPU-sized: the demo's binarized toy corpus, "
         "a 1+1-layer model of width 32, 2 updates",
@@ -162,9 +162,9 @@ COMMANDS = classified(
     (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
 
     # ---- docs/design.md
-    ("python: rng = plugins.perturbation.rng_state()", substitute(
+    ("python: rng = plugins.rng_state()", substitute(
         "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
-        + "import plugins.perturbation\n", append=EXPLICIT_CHECK, expect=("stability",))),
+        + "import plugins\n", append=EXPLICIT_CHECK, expect=("stability",))),
 
     # ---- docs/diagnostics.md
     (".venv/bin/vasso-plot RUNS/sam/seed1 RUNS/vasso0.4/seed1 -o RUNS/diagnostics.png",

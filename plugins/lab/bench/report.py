@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -123,15 +123,20 @@ def target_rows(results: Dict[str, Any]) -> List[List[str]]:
     return rows
 
 
-def render(results: Dict[str, Any]) -> str:
+def _header(results: Dict[str, Any]) -> List[str]:
+    """The run's machine, command and the targets' verdicts."""
     m = results["machine"]
-    out = [f"## Benchmark ({results['mode']} mode), {results['date']}", "",
-           f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs, "
-           f"torch {m['torch']}, Python {m['python']}, torch.set_num_threads({m['threads']}) in every process; "
-           f"load average at start {m['loadavg_1_5_15']}, at end {results.get('loadavg_end')}.",
-           f"Command: `{results['command']}`", "",
-           "### Targets", "", markdown_table(["target", "where", "measured", "verdict"], target_rows(results)), ""]
+    return [f"## Benchmark ({results['mode']} mode), {results['date']}", "",
+            f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs, "
+            f"torch {m['torch']}, Python {m['python']}, torch.set_num_threads({m['threads']}) in every process; "
+            f"load average at start {m['loadavg_1_5_15']}, at end {results.get('loadavg_end')}.",
+            f"Command: `{results['command']}`", "",
+            "### Targets", "", markdown_table(["target", "where", "measured", "verdict"], target_rows(results)), ""]
 
+
+def _timing_section(results: Dict[str, Any]) -> List[str]:
+    """Time per update of each model and method, and the paired ratios."""
+    out: List[str] = []
     timing = results.get("timing", {})
     if timing:
         clock = {"cpu": "CPU time of the process (time.process_time)",
@@ -162,7 +167,12 @@ def render(results: Dict[str, Any]) -> str:
         out += ["", "SA work = update - fwd+bwd - base step (perturbation, EMA, restore, RNG replay, glue); "
                     "outside fwd/bwd also counts the base step. Model sizes: "
                 + "; ".join(f"{md}: {results['model_info'][md]}" for md in timing), ""]
+    return out
 
+
+def _floor_section(results: Dict[str, Any]) -> List[str]:
+    """The per-step overhead over AdamW running the same two passes."""
+    out: List[str] = []
     floor = results.get("floor")
     if floor:
         out += ["### Per-step overhead over the two-pass floor", "",
@@ -174,7 +184,12 @@ def render(results: Dict[str, Any]) -> str:
             out.append(f"- {METHODS[m][0]} / AdamW with two passes = {_fmt(floor[f'{m}_over_floor'])} "
                        f"(per repeat: {', '.join(_fmt(x, '.3f') for x in floor[f'{m}_over_floor_all'])})")
         out.append("")
+    return out
 
+
+def _state_section(results: Dict[str, Any]) -> List[str]:
+    """Optimizer state and peak memory per model and method."""
+    out: List[str] = []
     state = results.get("state", {})
     mem = results.get("memory", {})
     if state:
@@ -202,7 +217,12 @@ def render(results: Dict[str, Any]) -> str:
                              "n/a" if g is None else f"{g / 2**20:.1f} MiB"])
         out += [markdown_table(["model", "method", "param bytes", "base state / params", "extra state / params",
                            "peak heap growth", "extra peak / params", "peak RSS growth"], rows), ""]
+    return out
 
+
+def _fairseq_section(results: Dict[str, Any]) -> List[str]:
+    """fairseq-train's CPU time per update and updates/sec per optimizer."""
+    out: List[str] = []
     fs = results.get("fairseq")
     if fs:
         out += ["### fairseq-train (toy de-en corpus, transformer 2+2 layers, d=128, --max-tokens 2048)", "",
@@ -236,4 +256,12 @@ def render(results: Dict[str, Any]) -> str:
         out += [f"- command (one run): `{fs['command']}`", ""]
     elif results.get("fairseq_skipped"):
         out += [f"fairseq-train: skipped ({results['fairseq_skipped']}).", ""]
+    return out
+
+
+def render(results: Dict[str, Any]) -> str:
+    """The benchmark's markdown report: one section per part that ran."""
+    out = _header(results)
+    for section in (_timing_section, _floor_section, _state_section, _fairseq_section):
+        out += section(results)
     return "\n".join(out)
