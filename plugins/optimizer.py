@@ -546,6 +546,12 @@ class SharpnessAware(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the ecosystem's names
 
+    def _drop_grads(self) -> None:
+        """``zero_grad(set_to_none=True)`` as a plain loop: half its cost on many small tensors."""
+        for group in self.param_groups:
+            for q in group["params"]:
+                q.grad = None
+
     def first_step(self, zero_grad: bool = False) -> bool:
         """:meth:`perturb` under the name davda54/sam, pytorch_optimizer and the official
         VaSSO code use: ascend from the gradients in ``.grad``; ``zero_grad=True`` clears
@@ -575,8 +581,7 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError("second_step() without first_step(): call first_step() after the first backward")
         kept = pending.get("kept_grads")
         if kept is not None:  # whatever a second pass left in .grad is not this step's gradient
-            for q in self._all_params():
-                q.grad = None
+            self._drop_grads()
             for q, g in zip(*kept):
                 q.grad = g
         taken = self.descend()
@@ -602,7 +607,7 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__}.step() needs a closure that re-evaluates the loss; "
                                "loops that own forward/backward use perturb() and descend()")
         rng = P.rng_state()
-        self.zero_grad()  # stale gradients (a first backward outside) must not add to g_t
+        self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t
         with torch.enable_grad():
             loss = closure()
         try:
@@ -611,7 +616,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self.abandon()
             raise
         if perturbed:
-            self.zero_grad()  # nor g_t to h_t
+            self._drop_grads()  # nor g_t to h_t
             with self.second_pass(model, rng), torch.enable_grad():
                 second = closure()
             if loss is not None and second is not None:
