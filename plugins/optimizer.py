@@ -545,20 +545,70 @@ class SharpnessAware(torch.optim.Optimizer):
         finally:
             self.in_second_pass = False
 
+    # ------------------------------------------------------------------ the ecosystem's names
+
+    def _drop_grads(self) -> None:
+        """``zero_grad(set_to_none=True)`` as a plain loop: half its cost on many small tensors."""
+        for group in self.param_groups:
+            for q in group["params"]:
+                q.grad = None
+
+    def first_step(self, zero_grad: bool = False) -> bool:
+        """:meth:`perturb` under the name davda54/sam, pytorch_optimizer and the official
+        VaSSO code use: ascend from the gradients in ``.grad``; ``zero_grad=True`` clears
+        them afterwards.  Returns whether the second pass is wanted (False when the
+        coin of ``p < 1`` skips it, or ``g_t`` is not finite).
+
+        A loop written for those libraries runs the second pass whatever this returns;
+        :meth:`second_step` then ignores that pass's gradients and steps with ``g_t``,
+        which is kept for it on skipped steps: the ``.grad`` tensors themselves with
+        ``zero_grad=True`` (no copy), else a copy of them, until :meth:`second_step`.
+        """
+        wanted = self.perturb()
+        pending = self._pending
+        if pending["kind"] == "first_gradient":  # the coin skipped: keep g_t for second_step
+            params = self._step_lists().params
+            pending["kept_grads"] = (params, [q.grad if zero_grad else q.grad.clone() for q in params])
+        if zero_grad:
+            self.zero_grad()
+        return wanted
+
+    def second_step(self, zero_grad: bool = False) -> bool:
+        """:meth:`descend` under the ecosystem's name: back to ``x_t``, base step with
+        the gradients in ``.grad`` (``g_t`` when :meth:`first_step` returned False);
+        ``zero_grad=True`` clears them afterwards.  Returns True iff a base step was taken."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("second_step() without first_step(): call first_step() after the first backward")
+        kept = pending.get("kept_grads")
+        if kept is not None:  # whatever a second pass left in .grad is not this step's gradient
+            self._drop_grads()
+            for q, g in zip(*kept):
+                q.grad = g
+        taken = self.descend()
+        if zero_grad:
+            self.zero_grad()
+        return taken
+
     # ------------------------------------------------------------------ the closure API
 
     def step(self, closure: Closure = None, model: Optional[torch.nn.Module] = None):
-        """One full step.  ``closure`` clears the gradients, computes the loss, calls
-        ``backward()`` and returns the loss; it runs at ``x_t`` and, unless the coin
-        skips, at ``x_t + eps_t`` inside :meth:`second_pass` (the same RNG state, so
-        the same dropout masks; ``in_second_pass`` is True).  Given ``model``, its
-        BatchNorm running statistics come from the first call only.  Returns the
-        first loss.
+        """One full step.  ``closure`` computes the loss, calls ``backward()`` and
+        returns the loss; it runs at ``x_t`` and, unless the coin skips, at
+        ``x_t + eps_t`` inside :meth:`second_pass` (the same RNG state, so the same
+        dropout masks; ``in_second_pass`` is True).  Given ``model``, its BatchNorm
+        running statistics come from the first call only.  Returns the first loss.
+
+        The gradients are cleared before each call, so a closure that does not clear
+        them (davda54/sam's, pytorch_optimizer's and the official VaSSO code's, whose
+        loops run the first backward before ``step``) gets the right step too; that
+        loop's own first backward is then wasted work (``docs/migration.md``).
         """
         if closure is None:
             raise RuntimeError(f"{type(self).__name__}.step() needs a closure that re-evaluates the loss; "
                                "loops that own forward/backward use perturb() and descend()")
         rng = P.rng_state()
+        self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t
         with torch.enable_grad():
             loss = closure()
         try:
@@ -567,6 +617,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self.abandon()
             raise
         if perturbed:
+            self._drop_grads()  # nor g_t to h_t
             with self.second_pass(model, rng), torch.enable_grad():
                 second = closure()
             if loss is not None and second is not None:
