@@ -32,6 +32,12 @@ layout); ``--checkpoint METHOD=PATH`` (repeatable) names them one by one. Method
 with a row in the paper's table (adamw, sam, asam, vasso0.9, vasso0.4) show the
 paper's BLEU beside them. The table is markdown; ``--json`` also writes every number.
 
+Nothing of an earlier run is overwritten: each checkpoint's fairseq-generate output goes
+to a new folder beside it (``generate-test``, else ``generate-test-2``, ``-3``, ...), and
+``--out`` / ``--json`` refuse an existing file unless ``--force``. The demo
+(``fairseq_vasso.nmt.demo``) scores with this module's :func:`score` and prints the
+``vasso-bleu`` command that reproduces its BLEU columns.
+
 Usage::
 
     vasso-bleu data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14
@@ -44,7 +50,6 @@ import math
 import os
 import re
 import shlex
-import statistics
 import struct
 import sys
 import threading
@@ -215,7 +220,10 @@ def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=1
     ``progress(message)``, when given, gets a line per batch (at most one every 2 s, and
     the last) with the elapsed time and an estimate of what remains, and one line when
     most hypotheses run into the length limit; ``name`` labels them (default: the path)."""
-    results_dir = results_dir or os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "generate-" + subset)
+    if results_dir is None:
+        results_dir = fresh_dir(os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "generate-" + subset))
+    else:
+        os.makedirs(results_dir)  # a new folder: an earlier run's output is never overwritten
     cmd = generate_command(data, checkpoint, results_dir, subset=subset, beam=beam, batch_size=batch_size,
                            user_dir=user_dir, cpu=cpu, extra=extra)
     log = os.path.join(results_dir, "generate.log")
@@ -243,8 +251,6 @@ def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=1
         watch.update()
         warn_once()
 
-    if os.path.exists(out_file):
-        os.remove(out_file)  # the watch must not read an earlier run's output
     if progress:
         progress("%s: fairseq-generate --beam %d on %s/%s (log: %s)" % (name, beam, data, subset, log))
     rc = nmt.run_logged(cmd, log, env=env, on_line=on_line)
@@ -268,6 +274,79 @@ def evaluate_checkpoint(data, checkpoint, *, subset="test", beam=5, batch_size=1
     return {"checkpoint": checkpoint, "output": out_file, "n": len(parsed["hyps"]), "fairseq_bleu": parsed["bleu"],
             "fairseq_bleu_line": parsed["bleu_line"], "sacrebleu": sacre, "sacrebleu_signature": signature,
             "at_length_limit": watch.at_limit, "seconds": round(time.time() - state["start"], 1)}
+
+
+def fresh_dir(base):
+    """Makes and returns ``base``, or ``base-2``, ``base-3``, ... when it exists: a folder of
+    its own for this run's output."""
+    for k in range(1, 10000):
+        path = base if k == 1 else "%s-%d" % (base, k)
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError("no free folder name %s-N" % base)
+
+
+def score(data, todo, *, subset="test", beam=5, batch_size=128, user_dir=None, cpu=None, lang="en",
+          ref_file=None, extra=(), jobs=1, env=None, say=print, batch_progress=True):
+    """Scores the checkpoints ``todo`` ([(method, seed, path)]), ``jobs`` fairseq-generate
+    processes at once with cores / jobs threads each; returns their results (dicts, with
+    method and seed) in ``todo``'s order. The one scoring loop of vasso-bleu and the demo.
+
+    ``say(line)`` gets a line per scored checkpoint (with what is left), and with
+    ``batch_progress`` the per-batch progress of :func:`evaluate_checkpoint`."""
+    jobs = max(1, min(jobs, len(todo)))
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    start, lock, done = time.time(), threading.Lock(), []
+
+    def one(numbered):
+        k, (method, seed, path) = numbered
+        name = "%s seed %d (checkpoint %d/%d)" % (method, seed, k, len(todo))
+        r = evaluate_checkpoint(data, path, subset=subset, beam=beam, batch_size=batch_size, user_dir=user_dir,
+                                cpu=cpu, lang=lang, ref_file=ref_file, extra=extra, env=env, name=name,
+                                progress=say if batch_progress else None)
+        r.update(method=method, seed=seed)
+        with lock:
+            done.append(r)
+            left = (time.time() - start) / len(done) * (len(todo) - len(done)) / jobs
+            say("%s seed %d: fairseq BLEU %.2f, sacreBLEU %.2f (%d sentences, %.0f s; %d of %d scored, about %.0f s "
+                "left) -> %s" % (method, seed, r["fairseq_bleu"], r["sacrebleu"], r["n"], r["seconds"], len(done),
+                                 len(todo), left, r["output"]))
+        return r
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(one, enumerate(todo, 1)))
+
+
+def command(data, *, runs=None, checkpoints=(), checkpoint_name=None, subset="test", beam=5, batch_size=128,
+            user_dir=None, cpu=None, lang="en", ref_file=None, generate_args="", jobs=1, no_paper=False):
+    """The ``vasso-bleu`` command line (a shell string) that scores with these settings; the
+    paths as given (the demo gives them relative to where it was started)."""
+    prog = os.path.join(os.path.dirname(sys.executable), "vasso-bleu")
+    if os.path.exists(prog):
+        rel = os.path.relpath(prog)
+        prog = rel if not rel.startswith("..") else prog
+    else:
+        prog = "vasso-bleu"
+    words = [prog, data]
+    if runs:
+        words += ["--runs", runs]
+    for method, path in checkpoints:
+        words += ["--checkpoint", "%s=%s" % (method, path)]
+    defaults = build_parser().parse_args(["data"])
+    for flag, value in (("--checkpoint-name", checkpoint_name), ("--subset", subset), ("--beam", beam),
+                        ("--batch-size", batch_size), ("--user-dir", user_dir), ("--lang", lang),
+                        ("--ref-file", ref_file), ("--generate-args", generate_args), ("--jobs", jobs)):
+        if value is not None and value != getattr(defaults, flag[2:].replace("-", "_")):
+            words += [flag, str(value)]
+    if cpu:
+        words.append("--cpu")
+    if no_paper:
+        words.append("--no-paper")
+    return " ".join(shlex.quote(w) for w in words)
 
 
 # ---------------------------------------------------------------- runs and the table
@@ -353,9 +432,33 @@ def build_parser():
                         "--max-len-b 200)" % SUGGESTED_BOUND)
     p.add_argument("--no-paper", action="store_true", help="leave out the paper's column")
     p.add_argument("--title", default=None, help="a heading (### TITLE) above the table")
-    p.add_argument("--out", help="also write the markdown table here")
-    p.add_argument("--json", help="also write every number here")
+    p.add_argument("--out", help="also write the markdown table here (a new file, unless --force)")
+    p.add_argument("--json", help="also write every number here (a new file, unless --force)")
+    p.add_argument("--force", action="store_true", help="let --out and --json overwrite existing files")
     return p
+
+
+def no_checkpoint_message(runs, checkpoint_name):
+    """What --runs looked for and what it found instead."""
+    pattern = os.path.join(runs, "<method>", "seed<k>", checkpoint_name)
+    if not os.path.isdir(runs):
+        return "--runs %s: no such directory (looked for %s)" % (runs, pattern)
+    seen = sorted({os.path.basename(f) for f in _glob_run_files(runs) if f.endswith(".pt")})
+    folders = len(_glob_run_dirs(runs))
+    found = ("%d run folder(s) there hold %s" % (folders, ", ".join(seen)) if seen
+             else "%d run folder(s) <method>/seed<k> there, with no .pt file" % folders)
+    hint = "; --checkpoint-name picks another file" if seen else ""
+    return "--runs given but no checkpoint matched %s under %s (%s%s)" % (checkpoint_name, runs, found, hint)
+
+
+def _glob_run_dirs(runs):
+    return [os.path.join(runs, m, d) for m in sorted(os.listdir(runs)) if os.path.isdir(os.path.join(runs, m))
+            for d in sorted(os.listdir(os.path.join(runs, m))) if re.fullmatch(r"seed\d+", d)
+            and os.path.isdir(os.path.join(runs, m, d))]
+
+
+def _glob_run_files(runs):
+    return [os.path.join(d, f) for d in _glob_run_dirs(runs) for f in os.listdir(d)]
 
 
 def main(argv=None):
@@ -364,7 +467,10 @@ def main(argv=None):
 
     todo = []
     if a.runs:
-        todo += find_runs(a.runs, a.checkpoint_name)
+        found = find_runs(a.runs, a.checkpoint_name)
+        if not found:
+            p.error(no_checkpoint_message(a.runs, a.checkpoint_name))
+        todo += found
     counters = {}
     for spec in a.checkpoint:
         if "=" not in spec:
@@ -374,10 +480,13 @@ def main(argv=None):
         counters[method] = counters.get(method, 0) + 1
         todo.append((method, int(m.group(1)) if m else counters[method], path))
     if not todo:
-        p.error("no checkpoints: give --runs (with RUNS/<method>/seed<k>/%s) or --checkpoint" % a.checkpoint_name)
+        p.error("no checkpoints to score: give --runs RUNS (scores RUNS/<method>/seed<k>/%s) or "
+                "--checkpoint METHOD=PATH" % a.checkpoint_name)
 
     if not os.path.isdir(a.data):
-        p.error("data: no such directory: %s" % a.data)
+        p.error("data: no such directory: %s (give fairseq-preprocess's --destdir)" % a.data)
+    if a.ref_file and not os.path.isfile(a.ref_file):
+        p.error("--ref-file: no such file: %s" % a.ref_file)
     try:
         extra = shlex.split(a.generate_args)
     except ValueError as e:
@@ -387,7 +496,10 @@ def main(argv=None):
             p.error("%s must be >= 1, got %d" % (flag, value))
     for method, seed, path in todo:
         if not os.path.exists(path):
-            p.error("checkpoint of %s seed %d not found: %s" % (method, seed, path))
+            p.error("--checkpoint %s=%s: no such file (the checkpoint of %s seed %d)" % (method, path, method, seed))
+    for flag, path in (("--out", a.out), ("--json", a.json)):
+        if path and os.path.exists(path) and not a.force:
+            p.error("%s %s exists: give a new file, or --force to overwrite it" % (flag, path))
     start = time.time()
     lock = threading.Lock()
 
@@ -395,22 +507,12 @@ def main(argv=None):
         with lock:
             print("[%5.0f s] %s" % (time.time() - start, msg), flush=True)
 
-    def one(numbered):
-        k, (method, seed, path) = numbered
-        name = "%s seed %d (checkpoint %d/%d)" % (method, seed, k, len(todo))
-        r = evaluate_checkpoint(a.data, path, subset=a.subset, beam=a.beam, batch_size=a.batch_size,
-                                user_dir=a.user_dir, cpu=a.cpu, lang=a.lang, ref_file=a.ref_file,
-                                extra=extra, name=name, progress=say)
-        r.update(method=method, seed=seed)
-        say("%s seed %d: fairseq BLEU %.2f, sacreBLEU %.2f (%d sentences, %.0f s) %s"
-            % (method, seed, r["fairseq_bleu"], r["sacrebleu"], r["n"], r["seconds"], path))
-        return r
-
-    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        results = list(pool.map(one, enumerate(todo, 1)))
+    results = score(a.data, todo, subset=a.subset, beam=a.beam, batch_size=a.batch_size, user_dir=a.user_dir,
+                    cpu=a.cpu, lang=a.lang, ref_file=a.ref_file, extra=extra, jobs=a.jobs, say=say)
     table = markdown_table(results, paper_column=not a.no_paper, title=a.title)
-    note = ("\nfairseq BLEU: tokenized BLEU4 from fairseq-generate --beam %d --remove-bpe; sacreBLEU: %s on "
-            "Moses-detokenized text.\n" % (a.beam, results[0]["sacrebleu_signature"]))
+    note = ("\nfairseq BLEU: tokenized BLEU4 from fairseq-generate --beam %d --remove-bpe%s; sacreBLEU: %s on "
+            "Moses-detokenized text.\n" % (a.beam, " " + a.generate_args if a.generate_args else "",
+                                            results[0]["sacrebleu_signature"]))
     print()
     print(table + note)
     if a.out:

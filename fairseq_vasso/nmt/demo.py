@@ -23,13 +23,14 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    and ``--optimizer vasso --rho R --theta 0.4``: same number of updates, otherwise
    identical commands (the recipe's settings, scaled down); the corpus and its noise
    are the same for every run, the seed is fairseq's ``--seed``;
-4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s code (``fairseq_vasso.nmt.bleu``)
+4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s own loop (``fairseq_vasso.nmt.bleu.score``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
    BLEU and sacreBLEU) and prints the table: mean ± std per method beside the per-seed
    values, the last and best valid loss, fairseq_vasso's loss gap and stability, and
    whether the differences between methods exceed the spread over seeds; then a
-   per-run table of the training diagnostics;
+   per-run table of the training diagnostics, and the ``vasso-bleu`` command that gives
+   the same BLEU columns when run by hand;
 5. plots the diagnostics (``vasso-plot``, ``plugins.lab.plot.diagnostics``: ||eps_t - eps_{t-1}|| and
    the perturbed-loss gap over updates, SAM and VASSO on the same axes, the paper's
    Fig. 4) into ``runs/demo/diagnostics.png``, and draws the paper's Fig. 3
@@ -464,40 +465,33 @@ def train_all(data, out, args, user_dir, log):
 
 
 def score_all(data, ref_file, out, order, args, user_dir, env, log):
-    """Stage 3: BLEU of each run's checkpoint with vasso-bleu's code; {(method, seed): result}."""
+    """Stage 3: BLEU of each run's checkpoint with vasso-bleu's own loop
+    (:func:`fairseq_vasso.nmt.bleu.score`); ``({(method, seed): result}, the vasso-bleu
+    command that reproduces them)``."""
     from fairseq_vasso.nmt import bleu as eval_bleu
 
     ckpt_name = "checkpoint_%s.pt" % args.checkpoint
     log("stage 3/4: scoring %s of %d runs with fairseq-generate --beam 5 --remove-bpe %s"
         % (ckpt_name, len(order), args.generate_args))
     cpu = True if args.cpu else None
-    jobs = min(args.jobs, len(order))
+    todo = [(m, s, os.path.join(run_dir(out, m, s), ckpt_name)) for m, s in order]
+    results = eval_bleu.score(data, todo, user_dir=user_dir, cpu=cpu, ref_file=ref_file,
+                              extra=shlex.split(args.generate_args), jobs=args.jobs, env=env, say=log,
+                              batch_progress=False)
 
-    def score(job):
-        method, seed = job
-        r = eval_bleu.evaluate_checkpoint(data, os.path.join(run_dir(out, method, seed), ckpt_name),
-                                          user_dir=user_dir, cpu=cpu, ref_file=ref_file,
-                                          extra=shlex.split(args.generate_args), env=env)
-        r.update(method=method, seed=seed)
-        return r
+    def shown(path):  # relative to where the demo was started, when below it
+        rel = os.path.relpath(path)
+        return path if rel.startswith("..") else rel
 
-    results = {}
-    eval_start = time.time()
-    with ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(score, (m, s)): (m, s) for m, s in order}
-        for fut in as_completed(futures):
-            r = fut.result()
-            results[r["method"], r["seed"]] = r
-            left = len(order) - len(results)
-            rate = (time.time() - eval_start) / len(results)
-            log("%s seed %d: BLEU %.2f (%d of %d scored; about %s left)"
-                % (r["method"], r["seed"], r["fairseq_bleu"], len(results), len(order), fmt_duration(rate * left)))
-    return results
+    command = eval_bleu.command(shown(data), runs=shown(os.path.join(out, "runs")), checkpoint_name=ckpt_name,
+                                user_dir=args.user_dir, cpu=cpu, ref_file=shown(ref_file),
+                                generate_args=args.generate_args, jobs=args.jobs, no_paper=True)
+    return {(r["method"], r["seed"]): r for r in results}, command
 
 
-def report(out, args, results):
+def report(out, args, results, bleu_command):
     """The seeded comparison and the per-run diagnostics, as markdown (also written to
-    ``results.md``)."""
+    ``results.md``), with the vasso-bleu command that gives the same BLEU columns."""
     from fairseq_vasso.nmt import recipe as nmt_common
 
     methods, seeds = args.methods, args.seeds
@@ -522,6 +516,11 @@ def report(out, args, results):
         "text. Loss gap and stability: fairseq_vasso's log, mean over the last epoch ('-': AdamW has none). For "
         "reference only, the paper's IWSLT-14 BLEU (a far larger task): %s."
         % (args.generate_args, first["sacrebleu_signature"], paper),
+        "",
+        "The BLEU columns again, by hand (vasso-bleu writes new generate-test-N folders beside these runs' "
+        "and never overwrites them):",
+        "",
+        "    " + bleu_command,
         "",
         "## Per run: training diagnostics of the last epoch",
         "",
@@ -561,8 +560,8 @@ def main(argv=None):
     log("stage 1/4: corpus and preprocessing")
     data, ref_file = prepare(out, args, log)
     order, env = train_all(data, out, args, user_dir, log)
-    results = score_all(data, ref_file, out, order, args, user_dir, env, log)
-    print(report(out, args, results))
+    results, bleu_command = score_all(data, ref_file, out, order, args, user_dir, env, log)
+    print(report(out, args, results, bleu_command))
     log("stage 4/4: plots")
     plot(out, args, log)
     me, kids = cpu_seconds()

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 
 import pytest
 
@@ -48,7 +49,8 @@ def test_demo_runs_end_to_end(demo_run):
     # progress while training (per run: updates done, elapsed time, what remains) and while scoring
     assert re.search(r"\[\s*\d+ s\] training: .*(sam|vasso0\.4) s[12] \d+/60.*of the work\); about .* left for "
                      r"training, .* in all", stdout), stdout
-    assert re.search(r"BLEU [0-9.]+ \(6 of 6 scored; about 0 s left\)", stdout)
+    assert re.search(r"fairseq BLEU [0-9.]+, sacreBLEU [0-9.]+ \(40 sentences, \d+ s; 6 of 6 scored, about 0 s left\)",
+                     stdout)
     assert "CPU time:" in stdout and "on 2 idle cores about" in stdout
     # torch's torch.jit.script FutureWarning is not printed (neither by the demo nor by fairseq in the run logs)
     assert "torch.jit.script" not in stdout + stderr
@@ -200,3 +202,70 @@ def test_find_runs_in_recipe_layout(tmp_path):
     (tmp_path / "sam" / "seed1").mkdir(parents=True)  # no checkpoint: skipped
     found = [(m, s) for m, s, _ in eval_bleu.find_runs(str(tmp_path))]
     assert found == [("adamw", 2), ("adamw", 10), ("vasso0.4", 2), ("other", 1)]
+
+
+def demo_columns(table_text):
+    """{label: (test BLEU mean ± std, sacreBLEU mean ± std)} of the demo's summary table."""
+    summary = table_text.split("## Per run")[0]
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in summary.splitlines()
+            if l.startswith("| ") and not l.startswith("| Method")]
+    return {r[0]: (r[1], r[3]) for r in rows}
+
+
+def test_the_printed_vasso_bleu_command_reproduces_the_demo_table_without_overwriting(demo_run):
+    out, stdout, _ = demo_run
+    with open(os.path.join(out, "results.md"), encoding="utf-8") as f:
+        text = f.read()
+    commands = [l.strip() for l in text.splitlines() if l.startswith("    ") and "vasso-bleu " in l]
+    assert len(commands) == 1, text
+    command = commands[0]
+    assert command in stdout and "--checkpoint-name checkpoint_last.pt" in command
+    demo_output = os.path.join(out, "runs", "sam", "seed1", "generate-test", "generate-test.txt")
+    with open(demo_output, "rb") as f:
+        before = f.read()
+    mtime = os.stat(demo_output).st_mtime_ns
+    # run by hand, from where the demo ran (tests/scripts/conftest.py: the repository)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p]))  # the code under test, also in the console script
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip().strip("|").split("|")]
+            for l in proc.stdout.splitlines() if l.startswith("| ") and not l.startswith("| Method")}
+    mine = {label: (r[1], r[2]) for label, r in rows.items()}  # fairseq BLEU, sacreBLEU (no paper column)
+    assert mine == demo_columns(text)
+    # into new folders: the demo's output is untouched
+    with open(demo_output, "rb") as f:
+        assert f.read() == before and os.stat(demo_output).st_mtime_ns == mtime
+    assert os.path.exists(os.path.join(out, "runs", "sam", "seed1", "generate-test-2", "generate-test.txt"))
+
+
+def test_fresh_dir_never_reuses_a_folder(tmp_path):
+    base = str(tmp_path / "generate-test")
+    assert eval_bleu.fresh_dir(base) == base
+    assert eval_bleu.fresh_dir(base) == base + "-2"
+    assert eval_bleu.fresh_dir(base) == base + "-3"
+
+
+def test_errors_name_what_was_looked_for_and_where(script, tmp_path):
+    data = tmp_path / "data-bin"
+    data.mkdir()
+    runs = tmp_path / "runs"
+    (runs / "sam" / "seed1").mkdir(parents=True)
+    (runs / "sam" / "seed1" / "checkpoint_last.pt").write_bytes(b"")
+    proc = script("fairseq_vasso.nmt.bleu", data, "--runs", runs, check=False)
+    assert proc.returncode == 2
+    assert (f"--runs given but no checkpoint matched checkpoint_best.pt under {runs} (1 run folder(s) there hold "
+            "checkpoint_last.pt; --checkpoint-name picks another file)") in proc.stderr
+    proc = script("fairseq_vasso.nmt.bleu", data, "--runs", tmp_path / "nowhere", check=False)
+    assert f"--runs {tmp_path / 'nowhere'}: no such directory (looked for " in proc.stderr
+    proc = script("fairseq_vasso.nmt.bleu", data, "--checkpoint", "sam=" + str(tmp_path / "x.pt"), check=False)
+    assert f"--checkpoint sam={tmp_path / 'x.pt'}: no such file" in proc.stderr
+    proc = script("fairseq_vasso.nmt.bleu", tmp_path / "nodata", "--runs", runs, "--checkpoint-name",
+                  "checkpoint_last.pt", check=False)
+    assert f"data: no such directory: {tmp_path / 'nodata'}" in proc.stderr
+    (tmp_path / "table.md").write_text("an earlier table")
+    proc = script("fairseq_vasso.nmt.bleu", data, "--runs", runs, "--checkpoint-name", "checkpoint_last.pt",
+                  "--out", tmp_path / "table.md", check=False)
+    assert proc.returncode == 2 and "--out %s exists: give a new file, or --force" % (tmp_path / "table.md") in proc.stderr
+    assert (tmp_path / "table.md").read_text() == "an earlier table"
