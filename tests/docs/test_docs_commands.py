@@ -150,6 +150,23 @@ LOCAL_SLURM = ("needs Slurm's packages and starts daemons that must be stopped (
                "one; scripts/local_slurm.sh runs as the user, checked as root and as nobody)")
 COLLECT_ONLY = "runs a part of the suite that CI runs anyway: collecting it checks the paths and imports"
 
+# docs/fairseq.md's CPU quick start, one command after the other
+QUICK_CORPUS = ".venv/bin/python -m fairseq_vasso.nmt.toy_corpus runs/quickstart/raw --train 2000 --valid 100 --test 100"
+QUICK_PREPROCESS = (".venv/bin/fairseq-preprocess --source-lang de --target-lang en --trainpref runs/quickstart/raw/train "
+                    "--validpref runs/quickstart/raw/valid --testpref runs/quickstart/raw/test "
+                    "--destdir runs/quickstart/data-bin --joined-dictionary --workers 1")
+QUICK_TRAIN = (".venv/bin/fairseq-train runs/quickstart/data-bin --user-dir fairseq_vasso --task translation "
+               "--arch transformer --encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 128 "
+               "--decoder-embed-dim 128 --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256 "
+               "--encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings --optimizer vasso "
+               "--rho 0.1 --theta 0.4 --adam-betas '(0.9, 0.98)' --lr 2e-3 --lr-scheduler inverse_sqrt "
+               "--warmup-updates 100 --dropout 0.1 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 "
+               "--max-tokens 2048 --max-update 300 --num-workers 0 --seed 1 --save-dir runs/quickstart/vasso/seed1 "
+               "--no-epoch-checkpoints --log-format simple --log-interval 5")
+QUICK_BLEU = (".venv/bin/vasso-bleu runs/quickstart/data-bin --checkpoint "
+              "vasso=runs/quickstart/vasso/seed1/checkpoint_last.pt --generate-args '--max-len-a 1.2 --max-len-b 10' "
+              "--no-paper")
+
 COMMANDS = classified(
     # ---- README.md
     ("bash scripts/setup_env.sh && .venv/bin/python scripts/demo.py", substitute(
@@ -311,6 +328,17 @@ COMMANDS = classified(
     ("bash scripts/local_slurm.sh stop", check_only(LOCAL_SLURM, check="bash -n scripts/local_slurm.sh")),
 
     # ---- docs/fairseq.md
+    (QUICK_CORPUS, substitute(
+        "a smaller corpus: the same steps in seconds; an earlier session's runs/quickstart removed first "
+        "(fairseq-preprocess refuses an existing dictionary, as the doc says)",
+        {".venv/bin/python -m fairseq_vasso.nmt.toy_corpus":
+         "rm -rf runs/quickstart && .venv/bin/python -m fairseq_vasso.nmt.toy_corpus",
+         "--train 2000 --valid 100 --test 100": "--train 300 --valid 20 --test 20"})),
+    (QUICK_PREPROCESS, run(needs=(QUICK_CORPUS,))),
+    (QUICK_TRAIN, substitute("20 updates instead of 300: the same training, shorter",
+                             {"--max-update 300": "--max-update 20"}, needs=(QUICK_PREPROCESS,),
+                             expect=("train_inner", "loss_gap=", "done training"))),
+    (QUICK_BLEU, run(needs=(QUICK_TRAIN,), expect=("| vasso |", "sacreBLEU"))),
     ("srun .venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso "
      "--distributed-world-size 16 --distributed-port 12345 --ddp-backend legacy_ddp --optimizer vasso "
      "--rho 0.1 --theta 0.4 ...", check_only(
