@@ -536,7 +536,10 @@ def plot(out, args, log):
     from plugins.lab.plot import diagnostics as plot_diagnostics
     from plugins.lab.plot import sphere as adversary_sphere
 
-    runs = ["%s s%d=%s" % (m, s, os.path.join(run_dir(out, m, s), "train.log"))  # a label=path spec: no '=' in it
+    # label=path specs (no '=' in a label); labels starting with SAM / VASSO give the first
+    # seed of each the paper's colours (vasso-plot: SAM orange, VASSO blue)
+    runs = ["%s s%d=%s" % (label_of(m).replace(" (theta=", " θ").rstrip(")"), s,
+                           os.path.join(run_dir(out, m, s), "train.log"))
             for m in args.methods if passes(m) > 1 for s in args.seeds]
     if runs:
         png = os.path.join(out, "diagnostics.png")
