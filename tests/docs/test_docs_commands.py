@@ -297,7 +297,7 @@ COMMANDS = classified(
     ("OMP_NUM_THREADS=1 .venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./unused "
      "--output_dir sweep_digits/ --datasets RotatedDigits --algorithms ERM VASSO --n_hparams 1 --n_trials 1 "
      "--command_launcher local --skip_confirmation", check_only(
-        "20 DomainBed jobs, about 8 minutes on 2 cores", domainbed=True, expect=("--command_launcher",))),
+        "20 DomainBed jobs, 127 s on 2 idle cores (docs/domainbed.md)", domainbed=True, expect=("--command_launcher",))),
     (".venv/bin/python -m domainbed_vasso.collect_results --input_dir sweep_digits/", check_only(
         "reads the sweep above", domainbed=True, expect=("--input_dir",))),
     ("export DOMAINBED_VASSO_SLURM='{\"slurm_partition\": \"gpu\", \"gpus_per_node\": 1, "
