@@ -6,7 +6,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from plugins import SAM, VASSO
-from plugins.perturbation import rng_state
+from plugins import rng_state
 from core_helpers import build, closure_for, first_backward, flat, make_batches, make_model
 
 

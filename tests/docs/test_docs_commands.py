@@ -187,7 +187,7 @@ COMMANDS = classified(
         + "import plugins\n", append=EXPLICIT_CHECK, expect=("stability",))),
 
     # ---- docs/migration.md
-    ("python: from plugins.perturbation import rng_state", substitute(
+    ("python: from plugins import rng_state", substitute(
         "the snippet uses the reader's model, batch, loss and optimizer",
         prelude=MIGRATION_PRELUDE + "optimizer = SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1)\n",
         append="assert optimizer.num_steps == 1 and not optimizer.in_flight\nprint('one step')\n",
