@@ -51,6 +51,10 @@ def _fmt(x, spec=".3f"):
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def _spread(iqr) -> str:
+    return f" (IQR {_fmt(iqr[0], '.2f')}-{_fmt(iqr[1], '.2f')})" if iqr else ""
+
+
 def _verdict(ok: Optional[bool]) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "MISS")
 
@@ -59,9 +63,7 @@ def target_rows(results: Dict[str, Any]) -> List[List[str]]:
     """[target, where, measured, PASS/MISS] rows; the verdict logic lives here (tested)."""
     rows: List[List[str]] = []
     timing = results.get("timing", {})
-    def spread(iqr):
-        return f" (IQR {_fmt(iqr[0], '.2f')}-{_fmt(iqr[1], '.2f')})" if iqr else ""
-
+    spread = _spread
     for md in timing:
         t = timing[md]
         v = t.get("vasso_over_sam")
@@ -187,6 +189,28 @@ def _floor_section(results: Dict[str, Any]) -> List[str]:
     return out
 
 
+def _scaler_section(results: Dict[str, Any]) -> List[str]:
+    """What a GradScaler adds to a two-pass step."""
+    out: List[str] = []
+    scaled = results.get("scaler")
+    if scaled:
+        out += ["### Loss scaling: a scaled step over an unscaled one", "",
+                f"{scaled.get('model_info', '')}: SAM and VASSO whose closure scales the loss with a CPU "
+                "`torch.amp.GradScaler` (`opt.step(closure, scaler=scaler)`, then `scaler.update()`; fp32 model, "
+                "so only the scaler's work differs) against the same methods unscaled, "
+                f"{scaled['repeats']} interleaved repeats of {scaled['block']} updates, ratios paired within a "
+                "repeat, medians: " + ", ".join(f"{k} {_fmt(v, '.2f')} ms" for k, v in scaled["ms"].items()) + ".",
+                ""]
+        for m in ("sam", "vasso"):
+            key = f"{m}_scaled_over_unscaled"
+            out.append(f"- {METHODS[m][0]} scaled / unscaled = {_fmt(scaled[key])}{_spread(scaled.get(key + '_iqr'))} "
+                       f"(per repeat: {', '.join(_fmt(x, '.3f') for x in scaled[key + '_all'])})")
+        out.append("")
+    elif results.get("scaler_skipped"):
+        out += [f"Loss scaling: skipped ({results['scaler_skipped']}).", ""]
+    return out
+
+
 def _state_section(results: Dict[str, Any]) -> List[str]:
     """Optimizer state and peak memory per model and method."""
     out: List[str] = []
@@ -262,6 +286,6 @@ def _fairseq_section(results: Dict[str, Any]) -> List[str]:
 def render(results: Dict[str, Any]) -> str:
     """The benchmark's markdown report: one section per part that ran."""
     out = _header(results)
-    for section in (_timing_section, _floor_section, _state_section, _fairseq_section):
+    for section in (_timing_section, _floor_section, _scaler_section, _state_section, _fairseq_section):
         out += section(results)
     return "\n".join(out)
