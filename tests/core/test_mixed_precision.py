@@ -215,6 +215,33 @@ def test_clipping_after_unscale_equals_the_unscaled_clipped_run(device, kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])
+def test_the_closure_api_clips_h_in_the_second_pass_as_the_explicit_api_does(device, kind):
+    """docs/mixed_precision.md: in the closure, ``scaler.unscale_(opt)`` and the clip once
+    ``opt.in_second_pass``; step() then finds h_t unscaled and does not unscale it again."""
+    batches = make_batches(6)
+    explicit = Run(kind, device, "explicit", scaler=make_scaler(device, init_scale=2.0 ** 12), clip=0.05)
+    explicit.train(batches)
+    model = make_model(dropout=0.1).to(device)
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+    scaler = make_scaler(device, init_scale=2.0 ** 12)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+
+        def closure():
+            loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if opt.in_second_pass:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            return loss
+
+        opt.step(closure, scaler=scaler)
+        scaler.update()
+    torch.testing.assert_close(flat(model.parameters()).cpu(), explicit.params(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api, clip", [("closure", None), ("explicit", None), ("explicit", 0.05)])
 @pytest.mark.parametrize("kind", ["eSAM", "eVASSO"])
 def test_a_step_the_coin_skips_takes_g_unscaled_once(device, api, clip, kind):
