@@ -132,6 +132,12 @@ class SharpnessAware(torch.optim.Optimizer):
         ...         torch.nn.functional.cross_entropy(model(x), y).backward()   # h_t
         >>> opt.descend()                      # back to x_t, base step with h_t
         True
+
+    Both APIs take a stock ``torch.amp.GradScaler``: ``opt.step(closure, scaler=scaler)``,
+    or ``opt.perturb(scaler=scaler)`` with ``scaler.step(opt)`` in place of
+    :meth:`descend`; ``g_t`` and ``h_t`` are unscaled exactly once, an overflow in
+    either pass skips the step (``docs/mixed_precision.md``).  ``opt.diagnostics``
+    turns its device values into floats when first read (:class:`Diagnostics`).
     """
 
     def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
