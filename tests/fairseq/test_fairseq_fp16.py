@@ -36,6 +36,63 @@ def test_fp16_runs_close_to_fp32(toy_data, tmp_path, fs):
         assert float(a["ascent_norm"]) == pytest.approx(0.1, rel=1e-3)
 
 
+# ------------------------------------------------------------------ real overflows, every loss-scaled mode
+
+INIT_SCALE = 2 ** 20  # this model's fp16 backward overflows above about 2**10: a burst of real overflows
+#: fairseq 0.12's AMPOptimizer takes its growth interval from --amp-init-scale when
+#: --amp-scale-window is given (its own slip): 4 makes the CPU scaler grow back every
+#: 4 updates, so --amp also overflows again mid-run, as --fp16 does with --fp16-scale-window 4
+SCALE_GROWTH = {"amp": ["--amp-scale-window", "4", "--amp-init-scale", "4"],
+                "fp16": ["--fp16-scale-window", "4"], "memory_efficient_fp16": ["--fp16-scale-window", "4"]}
+
+
+def overflow_run(fs, data, save_dir, mode, optimizer, extra=()):
+    flags = fs.PRECISION_MODES[mode] + SCALE_GROWTH[mode] + ["--fp16-init-scale", str(INIT_SCALE), "--no-save"]
+    if optimizer != "adam":
+        flags += ["--rho", "0.1"]
+    return fs.train(fs.model_args(data, save_dir, optimizer=optimizer, max_update=12, extra=flags + list(extra)))
+
+
+def scale_history(fs, run):
+    """(scale in force, scale announced) for each overflow, in order, and the scale the
+    last update logged; the scale in force is followed through fairseq's own log lines
+    (the announced scale after an overflow, the logged ``loss_scale`` after an update)."""
+    current, pairs = float(INIT_SCALE), []
+    for name, msg in run.records:
+        announced = fs.overflow_scales(type(run)([(name, msg)], run.save_dir))
+        if announced:
+            pairs.append((current, announced[0]))
+            current = announced[0]
+        elif name == "train_inner" and msg.startswith("{"):
+            current = float(__import__("json").loads(msg)["loss_scale"])
+    return pairs, current
+
+
+def first_burst(run):
+    """The overflows announced before the first update."""
+    out = []
+    for name, msg in run.records:
+        if name == "train_inner":
+            break
+        out.append((name, msg))
+    return type(run)(out, run.save_dir)
+
+
+@pytest.mark.parametrize("mode", ["amp", "fp16", "memory_efficient_fp16"])
+def test_stock_adam_overflows_for_real(toy_data, tmp_path, fs, cpu_half_precision, mode):
+    """The harness itself: stock --optimizer adam meets real fp16 overflows in every
+    loss-scaled mode, and fairseq handles each one (skip, back off once, log)."""
+    run = overflow_run(fs, toy_data, tmp_path, mode, "adam")
+    pairs, last = scale_history(fs, run)
+    burst = len(fs.overflow_scales(first_burst(run)))
+    assert burst >= 10 and len(pairs) > burst  # a burst at the start, and more once the scale grew back
+    assert all(announced == in_force / 2 for in_force, announced in pairs)  # backed off once each time
+    assert float(run.inner()[-1]["loss_scale"]) == last
+    assert int(run.inner()[-1]["num_updates"]) == 12
+    losses = run.losses()
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) / 3 < losses[0] - 0.5
+
+
 # ------------------------------------------------------------------ unit level: one Trainer
 
 
