@@ -24,6 +24,7 @@ from typing import Any, List, Optional
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import Adam as _FairseqAdam
+import torch
 from omegaconf import II, OmegaConf
 
 from plugins import SAM, VASSO
@@ -190,6 +191,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
         exact = bool(_get(cfg, "fp16", False))
         self._optimizer = self.core_class(params, _FairseqAdam, seed=int(self.cfg.seed), lr_max=lr if lr > 0 else None,
                                           exact_restore=exact, **knobs, **self.optimizer_config)
+        self._optimizer.disable_mem_eff_fp16_loading_hack = True  # see _keep_fp32_moments
         self.last_step_taken = False
         self.last_diagnostics = {}
 
@@ -256,20 +258,35 @@ class FairseqSharpnessAware(FairseqOptimizer):
         # FP16Optimizer adds "loss_scale" beside our entries; the core does not want it
         own = {k: v for k, v in state_dict.items() if k in ("base_optimizer", "state", "sharpness")}
         self._optimizer.load_state_dict(own)
+        self._keep_fp32_moments(own["base_optimizer"]["state"])
         if optimizer_overrides is not None and len(optimizer_overrides) > 0:
             for group in self.param_groups:
                 group.update(optimizer_overrides)
+
+    def _keep_fp32_moments(self, saved_state):
+        """--memory-efficient-fp16: torch's ``load_state_dict`` casts the Adam moments to the
+        fp16 params' dtype; fairseq's Adam keeps them in fp32 (MemoryEfficientFP16Optimizer's
+        own fix-up expects a plain torch state dict, so ``disable_mem_eff_fp16_loading_hack``
+        turns it off for ours and this does the same job)."""
+        base = self._optimizer.base_optimizer
+        params = [p for group in base.param_groups for p in group["params"]]
+        for index, buffers in saved_state.items():
+            p = params[int(index)]
+            if p.dtype in (torch.float16, torch.bfloat16):
+                base.state[p] = {k: v.to(p.device).clone() if torch.is_tensor(v) else v for k, v in buffers.items()}
 
     # -------------------------------------------------------------- capabilities
 
     @property
     def supports_flat_params(self):
-        # --fp16 needs --fp16-no-flatten-grads (checked early by the trainer hooks)
-        return False
+        # --fp16's one flat fp32 master vector: every step is elementwise or global norms
+        # (ASAM's per-tensor T is not, and is refused there)
+        return True
 
     @property
     def supports_memory_efficient_fp16(self):
-        return False
+        # fp16 params: the core restores x_t from an anchor copy, the base Adam computes in fp32
+        return True
 
     @property
     def supports_step_with_scale(self):

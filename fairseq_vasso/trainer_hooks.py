@@ -62,6 +62,7 @@ import math
 import torch
 from fairseq import utils
 from fairseq.logging import metrics
+from fairseq.optim import FP16Optimizer, MemoryEfficientFP16Optimizer
 from fairseq.trainer import Trainer
 
 from plugins.perturbation import global_norm, rng_state
@@ -135,7 +136,7 @@ def check_config(cfg) -> None:
 
 def _sharpness_optimizer(trainer):
     opt = trainer.optimizer  # builds it on first use, as fairseq's own train_step does
-    inner = getattr(opt, "fp32_optimizer", opt)
+    inner = getattr(opt, "fp32_optimizer", None) or getattr(opt, "wrapped_optimizer", opt)
     return inner if isinstance(inner, FairseqSharpnessAware) else None
 
 
@@ -164,9 +165,17 @@ class _StepContext:
         self.loss_gap = float("nan")
 
 
-def _fp16_wrapper(trainer):
+def _loss_scaled(trainer):
+    """fairseq's --fp16 or --memory-efficient-fp16 wrapper (DynamicLossScaler) around
+    ours, else None."""
     opt = trainer.optimizer
-    return opt if hasattr(opt, "fp32_optimizer") else None
+    return opt if isinstance(opt, (FP16Optimizer, MemoryEfficientFP16Optimizer)) else None
+
+
+def _fp32_masters(trainer):
+    """fairseq's --fp16 wrapper (fp32 master params, flat or not) around ours, else None."""
+    opt = trainer.optimizer
+    return opt if isinstance(opt, FP16Optimizer) else None
 
 
 def _grads_finite(params) -> bool:
@@ -222,9 +231,9 @@ def _two_pass_train_step(trainer, sa, samples, raise_oom):
             # the update was skipped (fp16 overflow on the second pass) or failed: back to x_t
             # (the core may have done so already; abandon() is idempotent), also in the fp16 model
             sa.abandon()
-            fp16 = _fp16_wrapper(trainer)
-            if fp16 is not None:
-                fp16._sync_fp32_params_to_fp16()
+            masters = _fp32_masters(trainer)
+            if masters is not None:
+                masters._sync_fp32_params_to_fp16()
     if sa.last_step_taken:
         # the aggregation context of fairseq's own train_step stats (decorated with
         # metrics.aggregate("train")), plus whatever the caller has active ("train_inner")
@@ -241,10 +250,11 @@ def _maybe_no_sync(trainer, i, n):
 
 
 def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c):
-    fp16 = _fp16_wrapper(trainer)
-    if fp16 is not None:
-        # g_t into the fp32 master gradients, with fairseq's pending factor (1/loss_scale * c)
-        fp16._unscale_grads()
+    scaled = _loss_scaled(trainer)
+    if scaled is not None:
+        # g_t: fairseq's pending factor 1/loss_scale * c applied (--fp16: into the fp32 master
+        # gradients, flat or not; --memory-efficient-fp16: to the fp16 gradients, as its step does)
+        scaled._unscale_grads()
     params = list(sa.params)
     if not _grads_finite(params):
         # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
@@ -252,8 +262,9 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
     if not sa.perturb():
         return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
     ctx.perturbed = True
-    if fp16 is not None:
-        fp16._sync_fp32_params_to_fp16()
+    masters = _fp32_masters(trainer)
+    if masters is not None:  # the fp32 masters moved: the fp16 model runs the second pass
+        masters._sync_fp32_params_to_fp16()
     trainer.zero_grad()
     second_losses = []
     n = len(ctx.calls)
