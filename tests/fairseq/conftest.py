@@ -205,15 +205,6 @@ def run_cli(module, argv, *, env=None, timeout=300):
 
 # ------------------------------------------------------------------ fp16 / AMP on a CPU
 
-#: fairseq's precision modes, as flags.  The ones with loss scaling run on a CPU with
-#: :func:`cpu_half_precision`.
-PRECISION_MODES = {
-    "amp": ["--amp"],
-    "fp16": ["--fp16"],  # fairseq's default: flattened fp32 master params
-    "memory_efficient_fp16": ["--fp16", "--memory-efficient-fp16"],
-}
-
-
 @pytest.fixture
 def cpu_half_precision(monkeypatch):
     """fairseq's real ``--fp16`` / ``--memory-efficient-fp16`` / ``--amp`` code on a CPU.
@@ -268,6 +259,5 @@ def fs():
     ns.run_cli = run_cli
     ns.USER_DIR = user_dir()
     ns.REPO = REPO
-    ns.PRECISION_MODES = PRECISION_MODES
     ns.overflow_scales = overflow_scales
     return ns

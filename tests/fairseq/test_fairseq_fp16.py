@@ -21,6 +21,13 @@ import math
 import torch
 
 FP16 = ["--fp16", "--fp16-no-flatten-grads"]
+#: fairseq's loss-scaled precision modes, as flags; on a CPU they run with the
+#: ``cpu_half_precision`` fixture (tests/fairseq/conftest.py: the device checks it patches)
+PRECISION_MODES = {
+    "amp": ["--amp"],
+    "fp16": ["--fp16"],  # fairseq's default: one flat fp32 master vector
+    "memory_efficient_fp16": ["--fp16", "--memory-efficient-fp16"],
+}
 
 
 def test_fp16_runs_close_to_fp32(toy_data, tmp_path, fs):
@@ -47,7 +54,7 @@ SCALE_GROWTH = {"amp": ["--amp-scale-window", "4", "--amp-init-scale", "4"],
 
 
 def overflow_run(fs, data, save_dir, mode, optimizer, extra=()):
-    flags = fs.PRECISION_MODES[mode] + SCALE_GROWTH[mode] + ["--fp16-init-scale", str(INIT_SCALE), "--no-save"]
+    flags = PRECISION_MODES[mode] + SCALE_GROWTH[mode] + ["--fp16-init-scale", str(INIT_SCALE), "--no-save"]
     if optimizer != "adam":
         flags += ["--rho", "0.1"]
     return fs.train(fs.model_args(data, save_dir, optimizer=optimizer, max_update=12, extra=flags + list(extra)))
@@ -93,6 +100,40 @@ def test_stock_adam_overflows_for_real(toy_data, tmp_path, fs, cpu_half_precisio
     assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) / 3 < losses[0] - 0.5
 
 
+_ADAM_RUNS = {}  # mode -> stock adam's run (the same harness, run once per mode)
+
+
+def _last_loss(run):
+    return sum(run.losses()[-3:]) / 3
+
+
+@pytest.mark.parametrize("optimizer", ["vasso", "sam"])
+@pytest.mark.parametrize("mode", list(PRECISION_MODES))
+def test_overflows_handled_as_stock_adam(toy_data, tmp_path, fs, cpu_half_precision, mode, optimizer):
+    """--optimizer vasso|sam in each loss-scaled mode, with real overflows, beside stock
+    adam in the same harness: every overflow skips the update and backs the scale off
+    once, logged by fairseq's own lines; the model learns as adam's does; the
+    diagnostics are those of a two-pass step at rho 0.1."""
+    if mode not in _ADAM_RUNS:
+        _ADAM_RUNS[mode] = overflow_run(fs, toy_data, tmp_path / "adam", mode, "adam")
+    adam = _ADAM_RUNS[mode]
+    run = overflow_run(fs, toy_data, tmp_path / optimizer, mode, optimizer)
+    pairs, last = scale_history(fs, run)
+    burst = fs.overflow_scales(first_burst(run))
+    assert burst == fs.overflow_scales(first_burst(adam))  # x_0, the same first batch: the same overflows
+    assert len(burst) >= 10 and len(pairs) > len(burst)  # and more mid-run, once the scale grew back
+    assert all(announced == in_force / 2 for in_force, announced in pairs)  # backed off once each time
+    assert float(run.inner()[-1]["loss_scale"]) == last
+    assert int(run.inner()[-1]["num_updates"]) == 12
+    losses = run.losses()
+    assert all(math.isfinite(x) for x in losses) and _last_loss(run) < losses[0] - 0.5
+    assert abs(_last_loss(run) - _last_loss(adam)) < 0.3, (run.losses(), adam.losses())
+    for line in run.inner():  # every update was a two-pass one
+        assert float(line["two_pass"]) == 1.0
+        assert float(line["ascent_norm"]) == pytest.approx(0.1, rel=1e-3)
+        assert float(line["sharpness"]) > 0 and math.isfinite(float(line["loss_gap"]))
+
+
 # ------------------------------------------------------------------ unit level: one Trainer
 
 
@@ -116,18 +157,36 @@ def _trainer(fs, data, save_dir, optimizer, extra):
     return trainer, [next(itr)]
 
 
+def _inner(opt):
+    """Our (or stock adam's) fairseq optimizer inside fairseq's precision wrapper."""
+    return getattr(opt, "fp32_optimizer", None) or getattr(opt, "wrapped_optimizer", opt)
+
+
+def _scale(opt):
+    """The loss scale: DynamicLossScaler's (--fp16 modes) or the GradScaler's (--amp)."""
+    scaler = opt.scaler
+    return scaler.get_scale() if hasattr(scaler, "get_scale") else scaler.loss_scale
+
+
+def _set_scale(opt, value):
+    if hasattr(opt.scaler, "get_scale"):
+        opt.scaler.update(value)  # GradScaler's public way to set the scale
+    else:
+        opt.scaler.loss_scale = value
+
+
 def _snapshot(trainer):
     opt = trainer.optimizer
-    inner = getattr(opt, "fp32_optimizer", opt)
+    inner = _inner(opt)
     core = inner.optimizer
     base = getattr(core, "base_optimizer", core)
     params16 = [p.detach().clone() for p in trainer.model.parameters()]
-    params32 = [p.detach().clone() for p in inner.params]
+    params32 = [p.detach().clone() for p in inner.params]  # the params the optimizer steps
     slope = [core.state[p]["slope"].clone() for p in inner.params if "slope" in core.state[p]]
     adam = [base.state[p]["exp_avg"].clone() for p in inner.params if "exp_avg" in base.state[p]]
     return {"p16": params16, "p32": params32, "slope": slope, "adam": adam,
             "steps": getattr(core, "num_steps", None),
-            "updates": trainer.get_num_updates(), "scale": getattr(opt, "scaler", None) and opt.scaler.loss_scale}
+            "updates": trainer.get_num_updates(), "scale": _scale(opt) if hasattr(opt, "scaler") else None}
 
 
 def _same(a, b):
@@ -135,70 +194,98 @@ def _same(a, b):
 
 
 @contextlib.contextmanager
-def _poisoned_gradient(trainer, on_call, value):
-    """Fill one parameter's gradient with ``value`` after the ``on_call``-th call of
+def _wrapped_task_step(trainer, before=None, after=None):
+    """Call ``before(n)`` / ``after(n)`` around the n-th call (1-based) of
     ``task.train_step`` (1: the first pass, 2: the second); yields the list of calls."""
     task = trainer.task
     stock = task.train_step
     calls = []
 
-    def poisoned(*args, **kwargs):
-        out = stock(*args, **kwargs)
+    def wrapped(*args, **kwargs):
         calls.append(1)
-        if len(calls) == on_call:
-            next(trainer.model.parameters()).grad.fill_(value)
+        if before is not None:
+            before(len(calls))
+        out = stock(*args, **kwargs)
+        if after is not None:
+            after(len(calls))
         return out
 
-    task.train_step = poisoned
+    task.train_step = wrapped
     try:
         yield calls
     finally:
         del task.train_step
 
 
-@pytest.fixture
-def cuda_is_identity(monkeypatch):
-    # fairseq's overflow handler does grad_norm = torch.tensor(0.0).cuda()
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+def _poisoned_gradient(trainer, on_call, value):
+    """Fill one parameter's gradient with ``value`` after the ``on_call``-th pass."""
+    def poison(n):
+        if n == on_call:
+            next(trainer.model.parameters()).grad.fill_(value)
+    return _wrapped_task_step(trainer, after=poison)
 
 
-@pytest.mark.parametrize("optimizer", ["vasso", "adam"])
-def test_fp16_overflow_on_first_pass(toy_data, tmp_path, fs, cuda_is_identity, optimizer):
-    trainer, samples = _trainer(fs, toy_data, tmp_path, optimizer, FP16 + ["--rho", "0.1"] * (optimizer != "adam"))
+def _real_overflow(trainer, on_call, scale=2.0 ** 60):
+    """Raise the loss scale to ``scale`` just before the ``on_call``-th pass: its fp16
+    backward then overflows for real."""
+    def raise_scale(n):
+        if n == on_call:
+            _set_scale(trainer.optimizer, scale)
+    return _wrapped_task_step(trainer, before=raise_scale)
+
+
+#: the unit-level modes: the three of the end-to-end runs, and --fp16 with per-parameter masters
+UNIT_MODES = {**PRECISION_MODES, "fp16_no_flatten": ["--fp16", "--fp16-no-flatten-grads"]}
+
+
+def _mode_trainer(fs, data, tmp_path, mode, optimizer, extra=()):
+    flags = UNIT_MODES[mode] + (["--amp-batch-retries", "0"] if mode == "amp" else [])  # skip, do not retry
+    return _trainer(fs, data, tmp_path, optimizer, flags + ["--rho", "0.1"] * (optimizer != "adam") + list(extra))
+
+
+@pytest.mark.parametrize("optimizer", ["vasso", "sam", "adam"])
+@pytest.mark.parametrize("mode", list(UNIT_MODES))
+def test_real_overflow_on_first_pass(toy_data, tmp_path, fs, cpu_half_precision, mode, optimizer):
+    trainer, samples = _mode_trainer(fs, toy_data, tmp_path, mode, optimizer)
     assert trainer.train_step(samples) is not None  # one good update: d_t and Adam moments exist
     before = _snapshot(trainer)
-    trainer.optimizer.scaler.loss_scale = 2.0 ** 60  # the scaled loss overflows fp16 in backward
-    assert trainer.train_step(samples) is None  # fairseq: overflow, update skipped
+    with _real_overflow(trainer, on_call=1) as calls:  # the scaled loss overflows fp16 in backward
+        assert trainer.train_step(samples) is None  # fairseq: overflow, update skipped
+    assert len(calls) == 1  # no second pass
     after = _snapshot(trainer)
     assert after["updates"] == before["updates"] == 1
-    assert after["scale"] == 2.0 ** 59  # falls by fairseq's scale factor, as stock
+    assert after["scale"] == 2.0 ** 59  # backed off once, by fairseq's factor, as stock
     assert _same(after["p16"], before["p16"]) and _same(after["p32"], before["p32"])
     assert _same(after["adam"], before["adam"])
     if optimizer == "vasso":
         assert _same(after["slope"], before["slope"]) and before["slope"]  # d_t untouched
-        assert after["steps"] == before["steps"]  # the coin's step did not advance
+    if optimizer != "adam":
+        assert not _inner(trainer.optimizer).in_flight
     # and training goes on (at a scale that does not overflow)
-    trainer.optimizer.scaler.loss_scale = 128.0
+    _set_scale(trainer.optimizer, 128.0)
     assert trainer.train_step(samples) is not None and trainer.get_num_updates() == 2
 
 
-def test_fp16_overflow_on_second_pass(toy_data, tmp_path, fs, cuda_is_identity):
-    trainer, samples = _trainer(fs, toy_data, tmp_path, "vasso", FP16 + ["--rho", "0.1"])
+@pytest.mark.parametrize("optimizer", ["vasso", "sam"])
+@pytest.mark.parametrize("mode", list(UNIT_MODES))
+def test_real_overflow_on_second_pass(toy_data, tmp_path, fs, cpu_half_precision, mode, optimizer):
+    trainer, samples = _mode_trainer(fs, toy_data, tmp_path, mode, optimizer)
     assert trainer.train_step(samples) is not None
     before = _snapshot(trainer)
-    with _poisoned_gradient(trainer, on_call=2, value=float("inf")) as calls:  # the second pass, at x_t + eps_t
+    with _real_overflow(trainer, on_call=2) as calls:  # the second pass, at x_t + eps_t
         assert trainer.train_step(samples) is None
     assert len(calls) == 2
     after = _snapshot(trainer)
-    assert after["updates"] == 1 and after["scale"] == before["scale"] / 2
-    # x_t restored in the fp32 masters and the fp16 model; Adam untouched
+    assert after["updates"] == 1 and after["scale"] == 2.0 ** 59  # backed off once
+    # x_t restored, bit for bit, in what the optimizer steps and in the model; Adam untouched
     assert _same(after["p32"], before["p32"]) and _same(after["p16"], before["p16"])
     assert _same(after["adam"], before["adam"])
-    # d_t did absorb the (finite) g_t of the first pass: documented
-    assert not _same(after["slope"], before["slope"])
-    inner = trainer.optimizer.fp32_optimizer
+    if optimizer == "vasso":  # d_t did absorb the (finite) g_t of the first pass: documented
+        assert not _same(after["slope"], before["slope"])
+    inner = _inner(trainer.optimizer)
     assert not inner.in_flight
     inner.optimizer.state_dict()  # no step in flight
+    _set_scale(trainer.optimizer, 128.0)
     assert trainer.train_step(samples) is not None and trainer.get_num_updates() == 2
 
 
