@@ -215,10 +215,13 @@ class FairseqSharpnessAware(FairseqOptimizer):
         """The core's: between ``perturb()`` and ``step()`` / ``abandon()``."""
         return self._optimizer.in_flight
 
-    def perturb(self) -> bool:
-        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``)."""
+    def perturb(self, scaler=None) -> bool:
+        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``); under
+        ``--amp`` ``scaler`` is AMPOptimizer's GradScaler and g_t is scaled by it."""
         self.last_step_taken = False
-        return self._optimizer.perturb()
+        if scaler is None:
+            return self._optimizer.perturb()
+        return self._optimizer.perturb(scaler=scaler)
 
     def second_pass(self, model, rng):
         """The core's second-pass protocol (``plugins.SharpnessAware.second_pass``)."""
@@ -244,7 +247,14 @@ class FairseqSharpnessAware(FairseqOptimizer):
         if scale != 1.0:
             self.multiply_grads(1.0 / scale)
         self.last_step_taken = self._optimizer.descend()
-        self.last_diagnostics = dict(self._optimizer.diagnostics)
+        self.last_diagnostics = self._optimizer.diagnostics  # read when fairseq logs
+
+    def scaler_step(self, scaler) -> None:
+        """``--amp``: finish the step through ``scaler.step(core)``: the scaler hands the
+        core its overflow verdict (and the scale, unless ``scaler.unscale_(core)`` already
+        ran), so h_t is unscaled exactly once; an overflow skips the base step at x_t."""
+        self.last_step_taken = bool(scaler.step(self._optimizer))
+        self.last_diagnostics = self._optimizer.diagnostics
 
     # -------------------------------------------------------------- state
 

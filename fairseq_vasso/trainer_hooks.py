@@ -62,7 +62,7 @@ import math
 import torch
 from fairseq import utils
 from fairseq.logging import metrics
-from fairseq.optim import FP16Optimizer, MemoryEfficientFP16Optimizer
+from fairseq.optim import AMPOptimizer, FP16Optimizer, MemoryEfficientFP16Optimizer
 from fairseq.trainer import Trainer
 
 from plugins.perturbation import global_norm, rng_state
@@ -158,10 +158,10 @@ def _patched_train_step(self, samples, raise_oom=False):
 class _StepContext:
     def __init__(self):
         self.calls = []  # (args, kwargs) of task.train_step, first pass
-        self.first_losses = []  # float loss per micro-batch (None for dummy batches)
+        self.first_losses = []  # loss per micro-batch (None for dummy batches)
         self.rng = None
         self.multiplied = False
-        self.perturbed = False  # perturb() moved the parameters this update
+        self.step_taken = False  # this update's base step was taken
         self.loss_gap = float("nan")
 
 
@@ -178,25 +178,58 @@ def _fp32_masters(trainer):
     return opt if isinstance(opt, FP16Optimizer) else None
 
 
+def _amp(trainer):
+    """fairseq's --amp wrapper (a torch GradScaler) around ours, else None."""
+    opt = trainer.optimizer
+    return opt if isinstance(opt, AMPOptimizer) else None
+
+
 def _grads_finite(params) -> bool:
     return bool(torch.isfinite(global_norm([p.grad for p in params if p.grad is not None])))
 
 
 def _loss_value(logging_output):
+    """The micro-batch's loss, kept on its device (no host sync; read at the log point)."""
     value = logging_output.get("loss") if isinstance(logging_output, dict) else None
     if value is None:
         return None
-    return float(value)
+    return value.detach().double() if torch.is_tensor(value) else float(value)
+
+
+def _unpatched(fn):
+    """fairseq's own bound method under one of our step-scoped wrappers: fairseq's --amp
+    retries an overflowed batch by calling ``train_step`` again from inside it."""
+    return getattr(fn, "_fairseq_vasso_stock", fn)
+
+
+@contextlib.contextmanager
+def _instance_patches(patches):
+    """Set ``(obj, name, value)`` as instance attributes for the block, then put back
+    what was there (an outer step's wrapper) or delete them."""
+    saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, old in saved:
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+_MISSING = object()
 
 
 def _two_pass_train_step(trainer, sa, samples, raise_oom):
     ctx = _StepContext()
     task = trainer.task
     opt = trainer.optimizer
-    had_task_attr = "train_step" in vars(task)
-    had_opt_attr = "multiply_grads" in vars(opt)
-    stock_task_step = task.train_step
-    stock_multiply = opt.multiply_grads
+    amp = _amp(trainer)
+    stock_task_step = _unpatched(task.train_step)
+    stock_multiply = _unpatched(opt.multiply_grads)
+    stock_step = _unpatched(opt.step)
 
     def recording_task_step(*args, **kwargs):
         if not ctx.calls:
@@ -214,27 +247,39 @@ def _two_pass_train_step(trainer, sa, samples, raise_oom):
         ctx.multiplied = True
         _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c)
 
-    task.train_step = recording_task_step
-    opt.multiply_grads = multiply_then_second_pass
+    def step(*args, **kwargs):
+        if amp is not None:
+            # AMPOptimizer.step would run scaler.step(self.fp32_optimizer): the fairseq wrapper,
+            # not the torch optimizer that its clip_grad_norm unscaled, so GradScaler would
+            # unscale h_t a second time.  Ours goes to the core, which the scaler has unscaled
+            # once (clip_grad_norm) and whose overflow verdict it holds; then one update().
+            sa.scaler_step(amp.scaler)
+            amp.scaler.update()
+        else:
+            stock_step(*args, **kwargs)
+        ctx.step_taken = sa.last_step_taken
+
+    recording_task_step._fairseq_vasso_stock = stock_task_step
+    multiply_then_second_pass._fairseq_vasso_stock = stock_multiply
+    step._fairseq_vasso_stock = stock_step
+    patches = [(task, "train_step", recording_task_step), (opt, "multiply_grads", multiply_then_second_pass),
+               (opt, "step", step)]
+    if amp is not None:
+        # AMPOptimizer.state_dict reads the core directly; fairseq saves crash.pt after a
+        # FloatingPointError (minimum loss scale), possibly mid-step: ours drops the step first
+        patches.append((opt, "state_dict", sa.state_dict))
     try:
-        out = _stock_train_step(trainer, samples, raise_oom)
+        with _instance_patches(patches):
+            out = _stock_train_step(trainer, samples, raise_oom)
     finally:
-        if had_task_attr:
-            task.train_step = stock_task_step
-        else:
-            del task.train_step
-        if had_opt_attr:
-            opt.multiply_grads = stock_multiply
-        else:
-            del opt.multiply_grads
-        if ctx.perturbed and not sa.last_step_taken:
-            # the update was skipped (fp16 overflow on the second pass) or failed: back to x_t
-            # (the core may have done so already; abandon() is idempotent), also in the fp16 model
+        if sa.in_flight:
+            # the update was skipped (fp16 overflow) or failed: back to x_t (the core may
+            # have done so already; abandon() is idempotent), also in the fp16 model
             sa.abandon()
             masters = _fp32_masters(trainer)
             if masters is not None:
                 masters._sync_fp32_params_to_fp16()
-    if sa.last_step_taken:
+    if ctx.step_taken:
         # the aggregation context of fairseq's own train_step stats (decorated with
         # metrics.aggregate("train")), plus whatever the caller has active ("train_inner")
         with metrics.aggregate("train"):
@@ -250,18 +295,24 @@ def _maybe_no_sync(trainer, i, n):
 
 
 def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c):
-    scaled = _loss_scaled(trainer)
-    if scaled is not None:
-        # g_t: fairseq's pending factor 1/loss_scale * c applied (--fp16: into the fp32 master
-        # gradients, flat or not; --memory-efficient-fp16: to the fp16 gradients, as its step does)
-        scaled._unscale_grads()
-    params = list(sa.params)
-    if not _grads_finite(params):
-        # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
-        return
-    if not sa.perturb():
-        return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
-    ctx.perturbed = True
+    amp = _amp(trainer)
+    if amp is not None:
+        # --amp: .grad holds g_t times the GradScaler's scale; the core computes with the
+        # unscaled g_t and, on an overflow, leaves the verdict to the scaler (fairseq's
+        # clip_grad_norm unscales and sees it, AMPOptimizer logs it, the step is skipped)
+        if not sa.perturb(scaler=amp.scaler):
+            return  # overflow, or a one-pass update: .grad still holds the scaled g_t
+    else:
+        scaled = _loss_scaled(trainer)
+        if scaled is not None:
+            # g_t: fairseq's pending factor 1/loss_scale * c applied (--fp16: into the fp32 master
+            # gradients, flat or not; --memory-efficient-fp16: to the fp16 gradients, as its step does)
+            scaled._unscale_grads()
+        if not _grads_finite(list(sa.params)):
+            # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
+            return
+        if not sa.perturb():
+            return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
     masters = _fp32_masters(trainer)
     if masters is not None:  # the fp32 masters moved: the fp16 model runs the second pass
         masters._sync_fp32_params_to_fp16()
@@ -284,39 +335,46 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
 
 def _loss_gap(trainer, first, second, c):
     """f_B(x + eps) - f_B(x) over the whole update (all micro-batches and ranks), in
-    the units fairseq logs ``loss`` in (sum / sample_size / ln 2)."""
+    the units fairseq logs ``loss`` in (sum / sample_size / ln 2); a device tensor when
+    fairseq's losses are (read at the log point)."""
     pairs = [(a, b) for a, b in zip(first, second) if a is not None and b is not None]
-    local = sum(b - a for a, b in pairs) if pairs else 0.0
-    total = local
+    total = sum((b - a for a, b in pairs), 0.0)
     if trainer.data_parallel_world_size > 1:
         from fairseq.distributed import utils as distributed_utils
 
-        t = torch.tensor([local], dtype=torch.float64, device=trainer.device)
-        t = distributed_utils.all_reduce(t, group=trainer.data_parallel_process_group)
-        total = float(t.item())
-    c = float(c)
+        t = torch.as_tensor(total, dtype=torch.float64).reshape(1).to(trainer.device)
+        total = distributed_utils.all_reduce(t, group=trainer.data_parallel_process_group)[0]
     # c == world_size / sample_size (fairseq's multiply_grads factor)
-    if not math.isfinite(c) or c == 0.0:
+    if not torch.is_tensor(c) and (not math.isfinite(c) or c == 0.0):
         return float("nan")
     sample_size = trainer.data_parallel_world_size / c
     return total / sample_size / math.log(2)
 
 
+def _finite_on_host(value) -> bool:
+    """False only for a non-finite Python float: device tensors stay unread (they are
+    finite whenever the step was taken: it was checked on g_t and h_t)."""
+    return torch.is_tensor(value) or math.isfinite(value)
+
+
 def _log_diagnostics(sa, ctx):
+    """Log this update's diagnostics into fairseq's meters.  Values the core left on
+    the device stay tensors: fairseq reads them (one host sync per log line) when it
+    prints, at its own log interval, as it does for its loss."""
     diag = sa.last_diagnostics
-    two_pass = float(diag.get("two_pass", 0.0))
+    raw = getattr(diag, "_values", diag)  # the core's lazy Diagnostics: its unread values
+    two_pass = float(raw.get("two_pass", 0.0))
     values = {
-        "ascent_norm": diag.get("ascent_norm", float("nan")),
+        "ascent_norm": raw.get("ascent_norm", float("nan")),
         "loss_gap": ctx.loss_gap if two_pass else float("nan"),
-        "sharpness": diag.get("sharpness", float("nan")),
-        "stability": diag.get("stability", float("nan")),
+        "sharpness": raw.get("sharpness", float("nan")),
+        "stability": raw.get("stability", float("nan")),
     }
     for i, (key, value) in enumerate(values.items()):
-        value = float(value)
-        ok = two_pass > 0 and math.isfinite(value)
+        ok = two_pass > 0 and _finite_on_host(value)
         metrics.log_scalar(key, value if ok else float("nan"), weight=1 if ok else 0, priority=810 + i, round=5)
     metrics.log_scalar("two_pass", two_pass, weight=1, priority=815, round=3)
-    metrics.log_scalar("rho", float(diag.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
+    metrics.log_scalar("rho", float(raw.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
 
 
 _patched_init._fairseq_vasso_hook = True
