@@ -85,6 +85,7 @@ class FairseqSAMConfig(FairseqDataclass):
     seed: int = II("common.seed")
     lr: List[float] = II("optimization.lr")
     fp16: bool = II("common.fp16")
+    amp: bool = II("common.amp")
 
 
 @dataclass
@@ -186,9 +187,10 @@ class FairseqSharpnessAware(FairseqOptimizer):
         super().__init__(cfg)
         knobs = check_flags(cfg)  # the same checks again for configs that bypass argparse (hydra)
         lr = self.optimizer_config["lr"]
-        # --fp16: these are fp32 master copies; restore them from a copy, bit for bit (the
-        # plain-geometry restore subtracts the ascent again, exact only up to one rounding)
-        exact = bool(_get(cfg, "fp16", False))
+        # --fp16 / --amp: a loss scaler skips overflowed updates routinely; restore x_t from a
+        # copy, bit for bit (the plain-geometry restore subtracts the ascent again, exact only
+        # up to one rounding).  fp16 params (--memory-efficient-fp16): the core always does.
+        exact = bool(_get(cfg, "fp16", False)) or bool(_get(cfg, "amp", False))
         self._optimizer = self.core_class(params, _FairseqAdam, seed=int(self.cfg.seed), lr_max=lr if lr > 0 else None,
                                           exact_restore=exact, **knobs, **self.optimizer_config)
         self._optimizer.disable_mem_eff_fp16_loading_hack = True  # see _keep_fp32_moments
