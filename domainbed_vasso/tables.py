@@ -39,6 +39,8 @@ import sys
 
 import numpy as np
 
+from plugins.lab.tables import markdown_table
+
 PAPER_METHODS = ["Adam", "SAM", "GSAM", "VASSO"]
 #: our algorithm name of each of the paper's columns (ERM in DomainBed is Adam there)
 PAPER_TO_OURS = {"Adam": "ERM", "SAM": "SAM", "GSAM": "GSAM", "VASSO": "VASSO"}
@@ -257,10 +259,7 @@ def paper_summary_table():
 
 
 def markdown(title, header, rows):
-    lines = [f"### {title}", "", "| " + " | ".join(header) + " |",
-             "|" + "|".join(["---"] + [":---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows, align="-" + "c" * (len(header) - 1), title=title) + "\n"
 
 
 def _tex(cell):

@@ -2,18 +2,27 @@
 
     fairseq-train DATA --user-dir fairseq_vasso --optimizer vasso --rho 0.1 --theta 0.4 ...
 
-Importing this package (fairseq does it for ``--user-dir``):
+The plugin is this package's root, in the shape of fairseq's own ``optim/adam.py``:
 
-* registers the optimizers ``sam`` and ``vasso`` (:mod:`fairseq_vasso.optimizer`), an
-  AdamW base with fairseq's ``adam`` flags, the math coming from ``plugins/``, and
-  checks their flags as soon as fairseq has parsed the command line (one line,
-  exit code 2, before the task, model or data are built);
-* hooks :class:`fairseq.trainer.Trainer` (:mod:`fairseq_vasso.trainer_hooks`) so that
-  a training step with one of these optimizers runs the second forward/backward pass;
-  with any other optimizer the hooks call fairseq's own code and nothing else;
-* allow-lists ``argparse.Namespace`` for ``torch.load(weights_only=True)`` so that
-  fairseq checkpoints load with torch's protection on (torch >= 2.6 refuses them
-  otherwise); weights_only itself is left on.
+* :mod:`fairseq_vasso.optimizer`: the optimizers ``sam`` and ``vasso`` (a dataclass
+  config whose fields are the flags, and a small ``FairseqOptimizer`` subclass over
+  fairseq's AdamW; the math comes from ``plugins``);
+* :mod:`fairseq_vasso.hooks`: every patch of fairseq (argument parsing, ``--help``,
+  ``Trainer``), inert for every other optimizer: it checks our flags and refuses
+  unsupported modes right after the command line is parsed (one line, exit status
+  2, before the task, model or data are built) and runs the second forward/backward
+  pass inside ``Trainer.train_step``;
+* ``argparse.Namespace`` allow-listed for ``torch.load(weights_only=True)`` at import,
+  so that fairseq checkpoints load with torch's protection on (torch >= 2.6 refuses
+  them otherwise).
+
+Importing this package imports no fairseq: it registers the optimizers and installs
+the hooks as soon as fairseq is imported, at once when fairseq already is (as under
+``--user-dir``, which fairseq imports after itself), else right after fairseq's own
+import completes.  So the translation tools of :mod:`fairseq_vasso.nmt`, which drive
+fairseq through its console scripts, import neither fairseq nor the hooks, while a
+script that imports this package and then fairseq finds ``sam`` and ``vasso``
+registered.  :func:`register` does it at once.
 
 The installed folder to pass to ``--user-dir``::
 
@@ -21,6 +30,9 @@ The installed folder to pass to ``--user-dir``::
 """
 
 import argparse
+import importlib.abc
+import importlib.util
+import sys
 
 import torch
 
@@ -28,15 +40,38 @@ from ._foreign_warnings import silence_foreign_warnings
 
 # before fairseq-train reaches Hydra (it imports the user-dir first): see the module
 silence_foreign_warnings()
-
-if hasattr(torch.serialization, "add_safe_globals"):
+if hasattr(torch.serialization, "add_safe_globals"):  # fairseq checkpoints hold a Namespace
     torch.serialization.add_safe_globals([argparse.Namespace])
 
-from . import optimizer  # noqa: E402,F401  (registers sam / vasso)
-from . import trainer_hooks  # noqa: E402,F401  (second pass in Trainer.train_step)
-from ._help import add_flags_to_help as _add_flags_to_help  # noqa: E402
+__all__ = ["register"]
 
-_add_flags_to_help({"sam": optimizer.FairseqSAMConfig, "vasso": optimizer.FairseqVASSOConfig})
-optimizer.check_command_line()
 
-__all__ = ["optimizer", "trainer_hooks"]
+def register() -> None:
+    """Register ``--optimizer sam|vasso`` with fairseq and install the hooks
+    (:mod:`fairseq_vasso.hooks`); idempotent.  Imports fairseq."""
+    from . import hooks, optimizer  # noqa: F401  (registering and patching are their import)
+
+
+class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
+    """Calls :func:`register` right after ``import fairseq`` completes, once."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "fairseq":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            exec_fairseq = spec.loader.exec_module
+
+            def exec_then_register(module):
+                exec_fairseq(module)
+                register()
+
+            spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if "fairseq" in sys.modules:  # --user-dir, or a process that imported fairseq first
+    register()
+elif not any(isinstance(f, _RegisterAfterFairseq) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterFairseq())

@@ -10,13 +10,13 @@ FusedAdam kernel, stock ``adam`` uses that kernel instead: the same update up to
 rounding.)
 
 fairseq never hands an optimizer a closure: its ``Trainer.train_step`` runs the
-forward/backward passes.  :mod:`fairseq_vasso.trainer_hooks` therefore drives the
+forward/backward passes.  :mod:`fairseq_vasso.hooks` therefore drives the
 two-pass step through the explicit API of the core (``perturb`` after the first
-pass, ``descend`` in :meth:`step`).
+pass, ``descend`` in :meth:`step`); it also checks the flags below as soon as
+fairseq has parsed the command line.
 """
 
 
-import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -37,6 +37,7 @@ __all__ = [
     "FairseqSAM",
     "FairseqVASSO",
     "check_flags",
+    "CONFIGS",
     "FLAGS",
 ]
 
@@ -97,6 +98,10 @@ class FairseqVASSOConfig(FairseqSAMConfig):
     )
 
 
+#: ``--optimizer`` name -> its dataclass config
+CONFIGS = {"sam": FairseqSAMConfig, "vasso": FairseqVASSOConfig}
+
+
 def _get(cfg, name, default=None):
     try:
         return getattr(cfg, name, default)
@@ -139,33 +144,6 @@ def check_flags(cfg) -> dict:
     return knobs
 
 
-def check_command_line() -> None:
-    """Check our flags right after fairseq parses the command line, before it builds the
-    task, model or data: wraps ``fairseq.options.parse_args_and_arch`` (which
-    fairseq-train calls after importing --user-dir) so that a bad value ends the run
-    with one line naming the flag and its range, as argparse reports fairseq's own
-    ill-typed flags but without its long usage text.  Other optimizers: untouched."""
-    from fairseq import options
-
-    stock = options.parse_args_and_arch
-    if getattr(stock, "_fairseq_vasso_checks", False):
-        return
-
-    @functools.wraps(stock)
-    def parse_args_and_arch(parser, *args, **kwargs):
-        out = stock(parser, *args, **kwargs)
-        parsed = out[0] if isinstance(out, tuple) else out
-        if getattr(parsed, "optimizer", None) in ("sam", "vasso"):
-            try:
-                check_flags(parsed)
-            except ValueError as exc:
-                parser.exit(2, f"{parser.prog}: error: {exc}\n")
-        return out
-
-    parse_args_and_arch._fairseq_vasso_checks = True
-    options.parse_args_and_arch = parse_args_and_arch
-
-
 class FairseqSharpnessAware(FairseqOptimizer):
     """fairseq adapter over ``plugins.SharpnessAware`` (shared by ``sam`` and ``vasso``).
 
@@ -176,7 +154,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
     ``checkpoint_last.pt`` resumes all of them.
 
     :meth:`step` is the descent half of the step: the hooks in
-    :mod:`fairseq_vasso.trainer_hooks` have called :meth:`perturb` after the first
+    :mod:`fairseq_vasso.hooks` have called :meth:`perturb` after the first
     pass and run the second one; fairseq then all-reduced, scaled and clipped the
     descent gradient h_t exactly as for any optimizer and calls ``step()``.
     """
@@ -241,7 +219,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
         """Restore x_t and let the base Adam step with the gradient in ``.grad``."""
         if closure is not None:
             raise RuntimeError("fairseq's sam/vasso optimizers take no closure: the second pass is run by "
-                               "fairseq_vasso.trainer_hooks inside Trainer.train_step")
+                               "fairseq_vasso.hooks inside Trainer.train_step")
         if not self.in_flight:
             raise RuntimeError(
                 f"{type(self).__name__}.step() without a first pass: the sam/vasso optimizers only work through "

@@ -1,6 +1,10 @@
 """Sharpness-aware minimization family (SAM, VASSO, eSAM/eVASSO, ASAM, GSAM) over any
 torch optimizer.  Torch only: the fairseq and DomainBed integrations build on this.
 
+The core is this package's root: ``optimizer`` (the family), ``perturbation`` (each
+formula once), ``validation`` (each knob's range, one ``check``), ``named_params``.
+Experiments, benchmarks and plots live in :mod:`plugins.lab`, which the core never imports.
+
     >>> import torch
     >>> from plugins import VASSO
     >>> opt = VASSO(torch.nn.Linear(2, 1).parameters(), torch.optim.AdamW, rho=0.1, theta=0.4, lr=5e-4)
@@ -9,7 +13,7 @@ torch optimizer.  Torch only: the fairseq and DomainBed integrations build on th
 """
 
 from .optimizer import SAM, VASSO, SharpnessAware
-from .perturbation import frozen_running_stats
+from .perturbation import frozen_running_stats, rng_state, set_rng_state
 
-__all__ = ["SAM", "VASSO", "SharpnessAware", "frozen_running_stats"]
+__all__ = ["SAM", "VASSO", "SharpnessAware", "frozen_running_stats", "rng_state", "set_rng_state"]
 __version__ = "0.1.0"

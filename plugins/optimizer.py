@@ -40,6 +40,7 @@ subtract; everything else restores from the ``anchor`` copy, exactly.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import operator
 import warnings
@@ -590,6 +591,51 @@ class SharpnessAware(torch.optim.Optimizer):
         finally:
             self.in_second_pass = False
 
+    # ------------------------------------------------------------------ the ecosystem's names
+
+    def _drop_grads(self) -> None:
+        """``zero_grad(set_to_none=True)`` as a plain loop: half its cost on many small tensors."""
+        for group in self.param_groups:
+            for q in group["params"]:
+                q.grad = None
+
+    def first_step(self, zero_grad: bool = False) -> bool:
+        """:meth:`perturb` under the name davda54/sam, pytorch_optimizer and the official
+        VaSSO code use: ascend from the gradients in ``.grad``; ``zero_grad=True`` clears
+        them afterwards.  Returns whether the second pass is wanted (False when the
+        coin of ``p < 1`` skips it, or ``g_t`` is not finite).
+
+        A loop written for those libraries runs the second pass whatever this returns;
+        :meth:`second_step` then ignores that pass's gradients and steps with ``g_t``,
+        which is kept for it on skipped steps: the ``.grad`` tensors themselves with
+        ``zero_grad=True`` (no copy), else a copy of them, until :meth:`second_step`.
+        """
+        wanted = self.perturb()
+        pending = self._pending
+        if pending["kind"] == "first_gradient":  # the coin skipped: keep g_t for second_step
+            params = self._step_lists().params
+            pending["kept_grads"] = (params, [q.grad if zero_grad else q.grad.clone() for q in params])
+        if zero_grad:
+            self.zero_grad()
+        return wanted
+
+    def second_step(self, zero_grad: bool = False) -> bool:
+        """:meth:`descend` under the ecosystem's name: back to ``x_t``, base step with
+        the gradients in ``.grad`` (``g_t`` when :meth:`first_step` returned False);
+        ``zero_grad=True`` clears them afterwards.  Returns True iff a base step was taken."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("second_step() without first_step(): call first_step() after the first backward")
+        kept = pending.get("kept_grads")
+        if kept is not None:  # whatever a second pass left in .grad is not this step's gradient
+            self._drop_grads()
+            for q, g in zip(*kept):
+                q.grad = g
+        taken = self.descend()
+        if zero_grad:
+            self.zero_grad()
+        return taken
+
     # ------------------------------------------------------------------ the closure API
 
     # GradScaler.step(opt) calls step() itself, handing over its scale and overflow flag as
@@ -598,12 +644,16 @@ class SharpnessAware(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def step(self, closure: Closure = None, model: Optional[torch.nn.Module] = None, scaler=None):
-        """One full step.  ``closure`` clears the gradients, computes the loss, calls
-        ``backward()`` and returns the loss; it runs at ``x_t`` and, unless the coin
-        skips, at ``x_t + eps_t`` inside :meth:`second_pass` (the same RNG state, so
-        the same dropout masks; ``in_second_pass`` is True).  Given ``model``, its
-        BatchNorm running statistics come from the first call only.  Returns the
-        first loss.
+        """One full step.  ``closure`` computes the loss, calls ``backward()`` and
+        returns the loss; it runs at ``x_t`` and, unless the coin skips, at
+        ``x_t + eps_t`` inside :meth:`second_pass` (the same RNG state, so the same
+        dropout masks; ``in_second_pass`` is True).  Given ``model``, its BatchNorm
+        running statistics come from the first call only.  Returns the first loss.
+
+        The gradients are cleared before each call, so a closure that does not clear
+        them (davda54/sam's, pytorch_optimizer's and the official VaSSO code's, whose
+        loops run the first backward before ``step``) gets the right step too; that
+        loop's own first backward is then wasted work (``docs/migration.md``).
 
         ``scaler``: a ``torch.amp.GradScaler`` whose ``scale(loss).backward()`` the
         closure calls; the step goes through ``scaler.step(opt)``, and the caller then
@@ -616,6 +666,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if closure is None:
             return self._finish_step()
         rng = P.rng_state()
+        self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t
         with torch.enable_grad():
             loss = closure()
         try:
@@ -624,6 +675,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self.abandon()
             raise
         if perturbed:
+            self._drop_grads()  # nor g_t to h_t
             with self.second_pass(model, rng), torch.enable_grad():
                 second = closure()
             if loss is not None and second is not None:
@@ -828,16 +880,11 @@ class SAM(SharpnessAware):
     1.0
     """
 
-    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, adaptive: bool = False,
-                 eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
-                 rho_min: Optional[float] = None, lr_max: Optional[float] = None, lr_min: float = 0.0,
-                 track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
-        if "theta" in base_kwargs:
+    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, **kwargs):
+        if "theta" in kwargs:
             raise ValueError("SAM takes no theta: its slope is the raw gradient g_t; "
                              "use VASSO(..., theta=...) for the moving average d_t")
-        super().__init__(params, base_optimizer, rho, theta=None, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, rho_min=rho_min, lr_max=lr_max, lr_min=lr_min,
-                         track_stability=track_stability, exact_restore=exact_restore, **base_kwargs)
+        super().__init__(params, base_optimizer, rho, theta=None, **kwargs)
 
 
 class VASSO(SharpnessAware):
@@ -862,12 +909,22 @@ class VASSO(SharpnessAware):
     ['slope']
     """
 
-    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4,
-                 adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0, seed: int = 0,
-                 rho_min: Optional[float] = None, lr_max: Optional[float] = None, lr_min: float = 0.0,
-                 track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
+    def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4, **kwargs):
         if theta is None:
             raise ValueError("theta must be in (0, 1], got None (use SAM for the raw gradient)")
-        super().__init__(params, base_optimizer, rho, theta=theta, adaptive=adaptive, eta=eta,
-                         gsam_alpha=gsam_alpha, p=p, seed=seed, rho_min=rho_min, lr_max=lr_max, lr_min=lr_min,
-                         track_stability=track_stability, exact_restore=exact_restore, **base_kwargs)
+        super().__init__(params, base_optimizer, rho, theta=theta, **kwargs)
+
+
+def _family_signature(theta: Optional[inspect.Parameter]) -> inspect.Signature:
+    """:class:`SharpnessAware`'s signature with ``theta`` removed (SAM) or given its
+    default (VASSO): the knobs are declared and documented once, there, while
+    ``help()`` and editors still show every keyword of each class."""
+    params = [p for p in inspect.signature(SharpnessAware.__init__).parameters.values() if p.name != "theta"]
+    if theta is not None:
+        params.insert(next(i for i, p in enumerate(params) if p.kind is p.KEYWORD_ONLY), theta)
+    return inspect.Signature(params)
+
+
+SAM.__init__.__signature__ = _family_signature(None)
+VASSO.__init__.__signature__ = _family_signature(
+    inspect.Parameter("theta", inspect.Parameter.KEYWORD_ONLY, default=0.4, annotation=float))

@@ -44,8 +44,8 @@ What it measures (every figure is printed with the machine it was taken on):
    ratios paired within 30+ interleaved repeats: what the wrapper's own per-step
    work costs where per-tensor Python work would show (``--no-floor`` skips it).
 
-The parts live in the installed packages: :mod:`plugins.bench` (models, timing, memory,
-report) and :mod:`fairseq_vasso.bench` (the fairseq-train runs); this recipe chooses
+The parts live in the installed packages: :mod:`plugins.lab.bench` (models, timing, memory,
+report) and :mod:`fairseq_vasso.nmt.bench` (the fairseq-train runs); this recipe chooses
 what to run in each mode.
 
 Threads: ``torch.set_num_threads(--threads)`` (default 1) in every process and
@@ -68,10 +68,10 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from plugins.bench.memory import run_memory, state_table
-from plugins.bench.models import FLOOR_MODEL, METHODS, MODELS, STATE_ONLY, TINY_FLOOR_MODEL, TINY_MODELS, model_info
-from plugins.bench.report import machine_info, render
-from plugins.bench.timing import CLOCKS, floor_ratios, interleaved_timing, summarize_timing
+from plugins.lab.bench.memory import run_memory, state_table
+from plugins.lab.bench.models import FLOOR_MODEL, METHODS, MODELS, STATE_ONLY, TINY_FLOOR_MODEL, TINY_MODELS, model_info
+from plugins.lab.bench.report import machine_info, render
+from plugins.lab.bench.timing import CLOCKS, floor_ratios, interleaved_timing, summarize_timing
 
 # mode -> timing repeats, updates per block, warm-up updates, memory repeats, memory updates,
 #         fairseq repeats, fairseq max-update, fairseq optimizers, two-pass floor repeats and block
@@ -121,7 +121,7 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
                                        log=log)
     if fairseq:
         try:
-            from fairseq_vasso.bench import run_fairseq  # imports fairseq
+            from fairseq_vasso.nmt.bench import run_fairseq  # imports fairseq
         except Exception as e:  # pragma: no cover
             results["fairseq_skipped"] = f"fairseq not importable: {e}"
         else:

@@ -35,8 +35,8 @@ import os
 import sys
 import time
 
-from fairseq_vasso import nmt
-from fairseq_vasso.nmt import METHODS, run_dir, train_command
+from fairseq_vasso.nmt import recipe as nmt
+from fairseq_vasso.nmt.recipe import METHODS, run_dir, train_command
 
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)

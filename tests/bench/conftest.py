@@ -1,5 +1,5 @@
-"""Fixtures for the tests of the benchmark (plugins.bench, fairseq_vasso.bench,
-scripts/benchmark.py) and of the plots (plugins.plot).
+"""Fixtures for the tests of the benchmark (plugins.lab.bench, fairseq_vasso.nmt.bench,
+scripts/benchmark.py) and of the plots (plugins.lab.plot).
 
 Nothing here times anything: the benchmark's logic runs on tiny models for 1-3
 updates and its ratios are checked on made-up block timings.
@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def diag():
     pytest.importorskip("matplotlib")
-    from plugins.plot import diagnostics
+    from plugins.lab.plot import diagnostics
 
     return diagnostics
 
@@ -22,6 +22,6 @@ def diag():
 @pytest.fixture(scope="session")
 def sphere():
     pytest.importorskip("matplotlib")
-    from plugins.plot import sphere
+    from plugins.lab.plot import sphere
 
     return sphere

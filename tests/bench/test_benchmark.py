@@ -1,4 +1,4 @@
-"""The benchmark's bookkeeping (plugins.bench, fairseq_vasso.bench, scripts/benchmark.py):
+"""The benchmark's bookkeeping (plugins.lab.bench, fairseq_vasso.nmt.bench, scripts/benchmark.py):
 paired ratios, medians, verdicts, state bytes, a tiny interleaved run of 1-3 updates.  No
 timed assertions: only the arithmetic on the numbers it measured and the structure of what
 it reports."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench_samples import JSON_INNER, SIMPLE_INNER
-from plugins.bench import memory, models, report, timing
+from plugins.lab.bench import memory, models, report, timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARK = os.path.join(ROOT, "scripts", "benchmark.py")
@@ -23,7 +23,7 @@ BENCHMARK = os.path.join(ROOT, "scripts", "benchmark.py")
 @pytest.fixture(scope="module")
 def fsbench():
     pytest.importorskip("fairseq")
-    from fairseq_vasso import bench
+    from fairseq_vasso.nmt import bench
 
     return bench
 
@@ -138,8 +138,8 @@ def test_memory_child_in_process():
 
 
 def test_memory_child_as_its_own_process():
-    """What run_memory starts for each method: python -m plugins.bench.memory, one JSON line."""
-    proc = subprocess.run([sys.executable, "-m", "plugins.bench.memory", "many-small", "sam", "--steps", "2",
+    """What run_memory starts for each method: python -m plugins.lab.bench.memory, one JSON line."""
+    proc = subprocess.run([sys.executable, "-m", "plugins.lab.bench.memory", "many-small", "sam", "--steps", "2",
                            "--tiny"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -153,8 +153,8 @@ def test_fairseq_ups_skips_the_first_line(fsbench):
     cmd = fsbench.fairseq_command("DATA", "vasso", 10, "SAVE", 2)
     assert cmd[cmd.index("--optimizer") + 1] == "vasso" and "--theta" in cmd and "--rho" in cmd
     assert "--rho" not in fsbench.fairseq_command("DATA", "adam", 10, "SAVE", 2)
-    # the flags are those of the recipe's rows (fairseq_vasso.nmt.METHODS), not a copy
-    from fairseq_vasso import nmt
+    # the flags are those of the recipe's rows (fairseq_vasso.nmt.recipe.METHODS), not a copy
+    from fairseq_vasso.nmt import recipe as nmt
 
     assert cmd[cmd.index("--optimizer"):cmd.index("--optimizer") + 6] == nmt.method_flags("vasso0.4")
 

@@ -1,47 +1,50 @@
-"""Parsing what fairseq_vasso logs (simple and json formats) and DomainBed's results.jsonl."""
+"""Parsing what fairseq_vasso logs (simple and json formats: fairseq_vasso.nmt.logs) and DomainBed's
+results.jsonl (domainbed_vasso.logs), as vasso-plot reads them."""
 
 import json
 import math
 
 import pytest
 
+from fairseq_vasso.nmt import logs as fairseq_logs
+
 from bench_samples import CONFIG, JSON_EPOCH, JSON_INNER, SIMPLE_EPOCH, SIMPLE_INNER, SIMPLE_VALID
 
 
-def test_simple_train_inner(diag):
-    rec = diag.parse_fairseq_line(SIMPLE_INNER[0])
+def test_simple_train_inner():
+    rec = fairseq_logs.parse_fairseq_line(SIMPLE_INNER[0])
     assert rec["_tag"] == "train_inner"
     assert rec["num_updates"] == 2.0 and rec["stability"] == pytest.approx(0.04301)
     assert rec["loss_gap"] == pytest.approx(0.19491) and rec["ups"] == 7.0 and rec["two_pass"] == 1.0
     assert "epoch" not in rec  # the "epoch 001: 2 / 15" progress prefix is not a key
 
 
-def test_simple_nan_and_epoch_lines(diag):
-    rec = diag.parse_fairseq_line(SIMPLE_INNER[2])
+def test_simple_nan_and_epoch_lines():
+    rec = fairseq_logs.parse_fairseq_line(SIMPLE_INNER[2])
     assert math.isnan(rec["stability"]) and rec["two_pass"] == 0.0
-    ep = diag.parse_fairseq_line(SIMPLE_EPOCH)
+    ep = fairseq_logs.parse_fairseq_line(SIMPLE_EPOCH)
     assert ep["_tag"] == "train" and ep["stability"] == pytest.approx(0.0293) and ep["num_updates"] == 12.0
-    va = diag.parse_fairseq_line(SIMPLE_VALID)
+    va = fairseq_logs.parse_fairseq_line(SIMPLE_VALID)
     assert va["_tag"] == "valid" and va["loss"] == pytest.approx(9.053)
 
 
-def test_json_lines(diag):
-    rec = diag.parse_fairseq_line(JSON_INNER)
+def test_json_lines():
+    rec = fairseq_logs.parse_fairseq_line(JSON_INNER)
     assert rec["_tag"] == "train_inner" and rec["num_updates"] == 2.0 and rec["stability"] == pytest.approx(0.04301)
-    ep = diag.parse_fairseq_line(JSON_EPOCH)
+    ep = fairseq_logs.parse_fairseq_line(JSON_EPOCH)
     # epoch lines prefix every key with the tag: stripped once
     assert ep["loss"] == pytest.approx(9.671) and ep["stability"] == pytest.approx(0.0293)
     assert ep["train_wall"] == 1.0 and ep["wall"] == 3.0
 
 
-def test_other_lines_ignored(diag):
-    assert diag.parse_fairseq_line(CONFIG) is None
-    assert diag.parse_fairseq_line("2026-11-22 | INFO | fairseq.trainer | loading train data for epoch 1") is None
-    assert diag.parse_fairseq_line("") is None
+def test_other_lines_ignored():
+    assert fairseq_logs.parse_fairseq_line(CONFIG) is None
+    assert fairseq_logs.parse_fairseq_line("2026-11-22 | INFO | fairseq.trainer | loading train data for epoch 1") is None
+    assert fairseq_logs.parse_fairseq_line("") is None
 
 
 def test_optimizer_label(diag):
-    opt = diag.fairseq_optimizer(CONFIG)
+    opt = fairseq_logs.fairseq_optimizer(CONFIG)
     assert opt["_name"] == "vasso" and opt["theta"] == 0.4 and opt["perturb_prob"] == 0.5
     assert diag.label_for(opt) == "eVASSO (θ=0.4, p=0.5, ρ=0.1)"
     assert diag.label_for({"_name": "sam", "rho": 0.05}) == "SAM (ρ=0.05)"
@@ -91,10 +94,10 @@ def test_domainbed_results(diag, tmp_path):
     assert diag.load_run(str(erm)).series == {}
 
 
-def test_logging_default_format(diag):
+def test_logging_default_format():
     # fairseq run inside a process whose logging was configured before fairseq_cli.train's
-    rec = diag.parse_fairseq_line('INFO:train_inner:{"epoch": 1, "ups": "1.3", "num_updates": "2", '
+    rec = fairseq_logs.parse_fairseq_line('INFO:train_inner:{"epoch": 1, "ups": "1.3", "num_updates": "2", '
                                   '"stability": "0.05"}')
     assert rec["_tag"] == "train_inner" and rec["stability"] == 0.05 and rec["ups"] == 1.3
-    assert diag.parse_fairseq_line("INFO:fairseq_cli.train:done training in 8.1 seconds") is None
-    assert diag.parse_fairseq_line('INFO:train:{"epoch": 1, "train_loss": "10.58"}')["loss"] == 10.58
+    assert fairseq_logs.parse_fairseq_line("INFO:fairseq_cli.train:done training in 8.1 seconds") is None
+    assert fairseq_logs.parse_fairseq_line('INFO:train:{"epoch": 1, "train_loss": "10.58"}')["loss"] == 10.58

@@ -1,4 +1,4 @@
-"""The diagnostics PNG (vasso-plot, plugins.plot) has the series it should, and the sphere
+"""The diagnostics PNG (vasso-plot, plugins.lab.plot) has the series it should, and the sphere
 illustration's math."""
 
 import subprocess
@@ -79,19 +79,19 @@ def test_sphere_vasso_steadier_and_png(sphere, tmp_path):
 
 
 def test_the_core_never_imports_the_plots_and_they_import_matplotlib_only_to_draw():
-    code = ("import sys, plugins; assert 'plugins.plot' not in sys.modules, 'core imported plugins.plot'; "
-            "import plugins.plot.diagnostics, plugins.plot.sphere; "
+    code = ("import sys, plugins; assert 'plugins.lab.plot' not in sys.modules, 'core imported plugins.lab.plot'; "
+            "import plugins.lab.plot.diagnostics, plugins.lab.plot.sphere; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported before a plot'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_vasso_plot_command_help():
-    """python -m plugins.plot is the vasso-plot console script's main."""
-    proc = subprocess.run([sys.executable, "-m", "plugins.plot", "--help"], capture_output=True, text=True,
+    """python -m plugins.lab.plot is the vasso-plot console script's main."""
+    proc = subprocess.run([sys.executable, "-m", "plugins.lab.plot", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "usage: vasso-plot" in proc.stdout and "results.jsonl" in proc.stdout
-    missing = subprocess.run([sys.executable, "-m", "plugins.plot", "no/such/train.log"], capture_output=True,
+    missing = subprocess.run([sys.executable, "-m", "plugins.lab.plot", "no/such/train.log"], capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1] == (
         "vasso-plot: error: runs: no such file or folder: no/such/train.log")

@@ -1,4 +1,4 @@
-"""The pieces of the digits experiments (plugins.digits, and the recipe
+"""The pieces of the digits experiments (plugins.lab.digits, and the recipe
 scripts/digits/experiments.py run as a command): data split and label-noise determinism, the Lanczos
 Hessian routine against torch.linalg.eigvalsh, table formatting, and a 1-epoch run of
 each experiment's code path."""
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plugins import digits as C
+from plugins.lab import digits as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERIMENTS = os.path.join(ROOT, "scripts", "digits", "experiments.py")
@@ -152,12 +152,22 @@ def test_lanczos_on_a_known_matrix():
 # ------------------------------------------------------------------ tables
 
 def test_markdown_table_and_mean_std():
-    assert C.fmt_ms([0.9, 0.92, 0.94], 2, 100.0) == "92.00 ± 2.00"
-    assert C.fmt_ms([1.0], 1) == "1.0"  # one seed: no spread to show
-    t = C.markdown_table(["a", "b"], [["x", "1"], ["y", "2"]])
+    """plugins.lab.tables: the one mean ± std and table writer every tool uses."""
+    from plugins.lab import tables
+
+    assert C.fmt_mean_std is tables.fmt_mean_std and C.markdown_table is tables.markdown_table
+    assert tables.fmt_mean_std([0.9, 0.92, 0.94], 2, 100.0) == "92.00 ± 2.00"
+    assert tables.fmt_mean_std([1.0], 1) == "1.0"  # one seed: no spread to show
+    assert tables.fmt_mean_std([None, 2.0, None, 4.0], 1) == "3.0 ± 1.4"  # missing values skipped
+    assert tables.fmt_mean_std([None]) == "-" and tables.mean_std([]) == (None, None)
+    t = tables.markdown_table(["a", "b"], [["x", "1"], ["y", "2"]])
     assert t.splitlines() == ["| a | b |", "|:---|---:|", "| x | 1 |", "| y | 2 |"]
-    with pytest.raises(ValueError):
-        C.markdown_table(["a", "b"], [["x"]])
+    t = tables.markdown_table(["a", "b", "c"], [[1, 2, 3]], align="-cr", title="T")
+    assert t.splitlines() == ["### T", "", "| a | b | c |", "|---|:---:|---:|", "| 1 | 2 | 3 |"]
+    with pytest.raises(ValueError, match="has 1 cells"):
+        tables.markdown_table(["a", "b"], [["x"]])
+    with pytest.raises(ValueError, match="align"):
+        tables.markdown_table(["a", "b"], [], align="lx")
 
 
 def test_experiment_tables_layout():

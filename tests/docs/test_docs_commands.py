@@ -124,6 +124,26 @@ EXPLICIT_PRELUDE = ("import torch\n"
                     "opt.zero_grad()\n")
 EXPLICIT_CHECK = ("print(opt.diagnostics)\n"
                   "assert opt.diagnostics['two_pass'] == 1 and opt.diagnostics['stability'] > 0\n")
+# The reader's model (BatchNorm and dropout), batches, losses and the classic repository's
+# BatchNorm helpers (theirs toggle the momentum: these do the same), for docs/migration.md
+MIGRATION_PRELUDE = ("import torch\n"
+                     "from plugins import SAM\n"
+                     "torch.manual_seed(0)\n"
+                     "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),\n"
+                     "                            torch.nn.Dropout(0.1), torch.nn.Linear(8, 3))\n"
+                     "batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(4)]\n"
+                     "inputs, targets = batches[0]\n"
+                     "loss_fn = criterion = torch.nn.CrossEntropyLoss()\n"
+                     "def smooth_crossentropy(pred, gold):\n"
+                     "    return torch.nn.functional.cross_entropy(pred, gold, label_smoothing=0.1, reduction='none')\n"
+                     "def disable_running_stats(model):\n"
+                     "    for m in model.modules():\n"
+                     "        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):\n"
+                     "            m.saved_momentum, m.momentum = m.momentum, 0\n"
+                     "def enable_running_stats(model):\n"
+                     "    for m in model.modules():\n"
+                     "        if hasattr(m, 'saved_momentum'):\n"
+                     "            m.momentum = m.saved_momentum\n")
 SLURM = "needs a Slurm cluster (tests/slurm runs the launcher on a local one)"
 LOCAL_SLURM = "needs root and Slurm's packages (tests/slurm starts and stops it)"
 COLLECT_ONLY = "runs a part of the suite that CI runs anyway: collecting it checks the paths and imports"
@@ -146,7 +166,7 @@ COMMANDS = classified(
         expect=("ascent_norm",))),
     ("python: rng = rng_state()", substitute(
         "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
-        + "from plugins.perturbation import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
+        + "from plugins import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
     (FAIRSEQ_TRAIN, substitute(
         "IWSLT-14 needs a download and the model is GPU-sized: the demo's binarized toy corpus, "
         "a 1+1-layer model of width 32, 2 updates",
@@ -162,9 +182,29 @@ COMMANDS = classified(
     (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
 
     # ---- docs/design.md
-    ("python: rng = plugins.perturbation.rng_state()", substitute(
+    ("python: rng = plugins.rng_state()", substitute(
         "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
-        + "import plugins.perturbation\n", append=EXPLICIT_CHECK, expect=("stability",))),
+        + "import plugins\n", append=EXPLICIT_CHECK, expect=("stability",))),
+
+    # ---- docs/migration.md
+    ("python: from plugins.perturbation import rng_state", substitute(
+        "the snippet uses the reader's model, batch, loss and optimizer",
+        prelude=MIGRATION_PRELUDE + "optimizer = SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1)\n",
+        append="assert optimizer.num_steps == 1 and not optimizer.in_flight\nprint('one step')\n",
+        expect=("one step",))),
+    ("python: from plugins import SAM", substitute(
+        "the snippet uses the reader's model, batches and the classic repository's loss and BatchNorm helpers",
+        prelude=MIGRATION_PRELUDE, expect=("ascent_norm",))),
+    ("python: optimizer = SAM(model.parameters(), torch.optim.SGD, rho=2.0, rho_min=0.2, gsam_alpha=0.4,",
+     substitute("the snippet uses the reader's model, batches and loss", prelude=MIGRATION_PRELUDE,
+                append="assert 0.2 < optimizer.diagnostics['rho'] < 2.0\n")),
+    ("python: from plugins import VASSO", substitute(
+        "the snippet uses the reader's model, batches and criterion", prelude=MIGRATION_PRELUDE,
+        expect=("stability",))),
+    ("python: from composer import Trainer", check_only(
+        "Composer is not a dependency of this project: only our side of the snippet runs",
+        check=".venv/bin/python -c 'import torch; from plugins import SAM; "
+              "m = torch.nn.Linear(2, 1); SAM(m.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, momentum=0.9)'")),
 
     # ---- docs/diagnostics.md
     (".venv/bin/vasso-plot RUNS/sam/seed1 RUNS/vasso0.4/seed1 -o RUNS/diagnostics.png",
@@ -177,7 +217,7 @@ COMMANDS = classified(
                 {"sam.log vasso.log evasso.log":
                  "runs/demo/runs/sam/seed1/train.log runs/demo/runs/vasso0.4/seed1/train.log"},
                 needs=(DEMO,))),
-    (".venv/bin/python -m plugins.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
+    (".venv/bin/python -m plugins.lab.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
 
     # ---- docs/digits_results.md
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),

@@ -51,7 +51,7 @@ def test_bad_flags_in_process(toy_data, tmp_path, fs, flags, name, capsys):
 
 def test_bad_flag_in_a_config_that_bypasses_the_command_line(toy_data, tmp_path, fs):
     """Configs built without argparse (hydra) meet the same check when the trainer is built."""
-    from fairseq_vasso.trainer_hooks import check_config
+    from fairseq_vasso.hooks import check_config
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({"optimizer": {"_name": "vasso", "rho": 0.1, "rho_min": 0.5, "theta": 0.4}})

@@ -65,16 +65,21 @@ def test_store_ema_tracks_the_updated_model(toy_data, tmp_path, fs):
 
 def test_other_optimizers_run_fairseqs_own_code(toy_data, tmp_path, fs, monkeypatch):
     """With the user-dir imported, --optimizer adam makes the same updates as with
-    fairseq's own, unhooked Trainer."""
+    fairseq exactly as shipped: every patch of fairseq_vasso.hooks (argument parsing,
+    Trainer.__init__, Trainer.train_step) taken out."""
+    from fairseq import options
     from fairseq.trainer import Trainer
 
-    from fairseq_vasso import trainer_hooks
+    from fairseq_vasso import hooks
 
     extra = ["--dropout", "0.3", "--update-freq", "2", "--clip-norm", "0.5"]
+    assert getattr(Trainer.train_step, "_fairseq_vasso_hook", False)
     fs.train(fs.model_args(toy_data, tmp_path / "hooked", optimizer="adam", extra=extra))
-    monkeypatch.setattr(Trainer, "train_step", trainer_hooks._stock_train_step)
-    monkeypatch.setattr(Trainer, "__init__", trainer_hooks._stock_init)
-    fs.train(fs.model_args(toy_data, tmp_path / "stock", optimizer="adam", extra=extra))
+    with hooks.stock_fairseq():
+        assert not any(getattr(getattr(owner, attr), "_fairseq_vasso_hook", False)
+                       for owner, attr in ((Trainer, "train_step"), (Trainer, "__init__"),
+                                           (options, "parse_args_and_arch")))
+        fs.train(fs.model_args(toy_data, tmp_path / "stock", optimizer="adam", extra=extra))
     a = _params(fs, tmp_path / "hooked")
     b = _params(fs, tmp_path / "stock")
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,4 +1,4 @@
-"""The demo's pieces (fairseq_vasso.demo, run by scripts/demo.py) that need no training: the seeded table, the verdicts on the seed spread,
+"""The demo's pieces (fairseq_vasso.nmt.demo, run by scripts/demo.py) that need no training: the seeded table, the verdicts on the seed spread,
 the progress reader and the warning filter handed to child processes (the end-to-end run is in
 test_eval_bleu.py, on the shared demo_run fixture)."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fairseq_vasso import demo
+from fairseq_vasso.nmt import demo
 
 
 def _results(bleus):

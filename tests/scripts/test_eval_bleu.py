@@ -1,4 +1,4 @@
-"""vasso-bleu (fairseq_vasso.bleu) and scripts/demo.py on real fairseq-generate output of tiny
+"""vasso-bleu (fairseq_vasso.nmt.bleu) and scripts/demo.py on real fairseq-generate output of tiny
 models trained by a scaled-down demo run (see conftest.demo_run)."""
 
 import json
@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from fairseq_vasso import bleu as eval_bleu
+from fairseq_vasso.nmt import bleu as eval_bleu
 
 METHODS = ["adamw", "sam", "vasso0.4"]
 
@@ -107,7 +107,7 @@ def test_eval_bleu_cli_mean_std_and_paper(demo_run, script, tmp_path):
         d.mkdir(parents=True)
         shutil.copy(os.path.join(out, "runs", "sam", "seed1", "checkpoint_last.pt"), d / "checkpoint_best.pt")
     js, md = tmp_path / "r.json", tmp_path / "r.md"
-    proc = script("fairseq_vasso.bleu", os.path.join(out, "data-bin"), "--runs", runs, "--jobs", 2,
+    proc = script("fairseq_vasso.nmt.bleu", os.path.join(out, "data-bin"), "--runs", runs, "--jobs", 2,
                   "--generate-args", "--max-len-a 1.2 --max-len-b 10", "--batch-size", 8,
                   "--ref-file", os.path.join(out, "tok", "test.en"), "--json", js, "--out", md)
     results = json.loads(js.read_text())
@@ -140,7 +140,7 @@ def test_eval_bleu_says_when_generation_runs_into_the_length_limit(demo_run, scr
     --generate-args; the scores are still computed."""
     out, _, _ = demo_run
     ckpt = os.path.join(out, "runs", "adamw", "seed1", "checkpoint_best.pt")
-    proc = script("fairseq_vasso.bleu", os.path.join(out, "data-bin"), "--checkpoint", "adamw=" + ckpt,
+    proc = script("fairseq_vasso.nmt.bleu", os.path.join(out, "data-bin"), "--checkpoint", "adamw=" + ckpt,
                   "--generate-args", "--max-len-a 0 --max-len-b 1", "--batch-size", 8)
     warnings = [l for l in proc.stdout.splitlines() if "length limit" in l]
     assert len(warnings) == 1, proc.stdout
@@ -175,7 +175,7 @@ def test_length_limit_watch_counts_hypotheses_at_the_limit(tmp_path):
 
 
 def test_help_shows_each_default_once_and_every_option_has_help(script):
-    text = script("fairseq_vasso.bleu", "--help").stdout
+    text = script("fairseq_vasso.nmt.bleu", "--help").stdout
     ref = text[text.index("\n  --ref-file"):text.index("\n  --cpu")]
     assert ref.count("default") == 1
     parser = eval_bleu.build_parser()

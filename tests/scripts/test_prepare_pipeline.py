@@ -1,11 +1,11 @@
-"""scripts/translation/iwslt14_prepare.py (the steps of fairseq_vasso.iwslt14) end to end on small local files in the IWSLT-14 formats
+"""scripts/translation/iwslt14_prepare.py (the steps of fairseq_vasso.nmt.iwslt14) end to end on small local files in the IWSLT-14 formats
 (everything after the download: --raw-dir and --archive), including fairseq-preprocess."""
 
 import os
 import tarfile
 
-from fairseq_vasso import iwslt14 as prep
-from fairseq_vasso.bleu import dataset_size
+from fairseq_vasso.nmt import iwslt14 as prep
+from fairseq_vasso.nmt.bleu import dataset_size
 
 GERMAN = ["Das ist {i} ein kleiner Test.", "Wir haben {i} Hunde und Katzen gesehen!",
           "Heute, am {i}. Mai, regnet es (nicht).", "„Warum?“, fragte sie {i} Mal."]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fairseq_vasso import nmt as nmt_common
+from fairseq_vasso.nmt import recipe as nmt_common
 
 PAPER = {"--arch": "transformer_iwslt_de_en", "--adam-betas": "(0.9, 0.98)", "--lr": "5e-4",
          "--lr-scheduler": "inverse_sqrt", "--warmup-updates": "4000", "--weight-decay": "0.0001",

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fairseq_vasso import toy_corpus
+from fairseq_vasso.nmt import toy_corpus
 
 
 def test_corrupt_targets_misaligns_the_chosen_fraction_only():

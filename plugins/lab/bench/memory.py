@@ -1,6 +1,6 @@
 """Optimizer state bytes, and the peak memory of one fresh process per method and model.
 
-    python -m plugins.bench.memory MODEL METHOD [--steps 3 --threads 1 --tiny]
+    python -m plugins.lab.bench.memory MODEL METHOD [--steps 3 --threads 1 --tiny]
 
 runs one measurement in this process and prints it as one JSON line (what
 :func:`run_memory` starts for each method)."""
@@ -120,7 +120,7 @@ def run_memory(models: Sequence[str], methods: Sequence[str], reps: int, steps: 
             order = list(methods)
             k = rep % len(order)
             for m in order[k:] + order[:k]:
-                cmd = [sys.executable, "-m", "plugins.bench.memory", md, m, "--steps", str(steps),
+                cmd = [sys.executable, "-m", "plugins.lab.bench.memory", md, m, "--steps", str(steps),
                        "--threads", str(threads)] + (["--tiny"] if tiny else [])
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
                 if proc.returncode != 0:
@@ -155,7 +155,7 @@ def state_table(models: Dict[str, Dict[str, Any]], methods: Sequence[str], steps
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", choices=sorted(MODELS), help="the model to build")
-    ap.add_argument("method", help="a method of plugins.bench.models (METHODS or STATE_ONLY)")
+    ap.add_argument("method", help="a method of plugins.lab.bench.models (METHODS or STATE_ONLY)")
     ap.add_argument("--steps", type=int, default=3, help="updates to measure (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny models")

@@ -35,7 +35,7 @@ paper's BLEU beside them. The table is markdown; ``--json`` also writes every nu
 Usage::
 
     vasso-bleu data-bin/iwslt14.tokenized.de-en --runs runs/iwslt14
-    python -m fairseq_vasso.bleu ...     # the same without the console script
+    python -m fairseq_vasso.nmt.bleu ...     # the same without the console script
 """
 
 import argparse
@@ -51,8 +51,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from . import nmt
-from .nmt import METHODS
+from plugins.lab import tables
+from plugins.lab.tables import fmt_mean_std, mean_std  # noqa: F401  (vasso-bleu's numbers)
+
+from . import recipe as nmt
+from .recipe import METHODS
 
 BLEU_LINE = re.compile(r"^Generate (\S+) with beam=(\d+): BLEU4 = ([0-9.]+)")
 # fairseq's simple progress bar, one line per batch with --log-interval 1: ":      3 / 12 wps=..."
@@ -290,52 +293,27 @@ def method_order(name):
     return names.index(name) if name in names else len(names)
 
 
-def mean_std(values):
-    """(mean, sample std; std None for one value) of the values that are not None."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    if len(values) == 1:
-        return values[0], None
-    return statistics.mean(values), statistics.stdev(values)
-
-
-def fmt_mean_std(values, digits=2):
-    """'mean ± std', the mean alone for one value (no spread to show), '-' for none."""
-    mean, std = mean_std(values)
-    if mean is None:
-        return "-"
-    if std is None:
-        return "%.*f" % (digits, mean)
-    return "%.*f ± %.*f" % (digits, mean, digits, std)
-
-
 def markdown_table(results, paper_column=True, title=None):
     """results: [{method, seed, fairseq_bleu, sacrebleu, ...}] -> markdown table (str)."""
     by_method = {}
     for r in results:
         by_method.setdefault(r["method"], []).append(r)
-    lines = []
-    if title:
-        lines += ["### " + title, ""]
     head = ["Method"]
     if paper_column:
         head.append("paper BLEU (IWSLT-14)")
     head += ["fairseq BLEU", "sacreBLEU", "seeds", "per seed: fairseq / sacreBLEU"]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "|".join(["---"] * len(head)) + "|")
+    rows = []
     for method in sorted(by_method, key=lambda m: (method_order(m), m)):
-        rows = sorted(by_method[method], key=lambda r: r["seed"])
-        label = METHODS[method].label if method in METHODS else method
-        cells = [label]
+        runs = sorted(by_method[method], key=lambda r: r["seed"])
+        cells = [METHODS[method].label if method in METHODS else method]
         if paper_column:
             cells.append("%.2f" % METHODS[method].paper_bleu if method in METHODS else "-")
-        cells.append(fmt_mean_std([r["fairseq_bleu"] for r in rows]))
-        cells.append(fmt_mean_std([r["sacrebleu"] for r in rows]))
-        cells.append(str(len(rows)))
-        cells.append(", ".join("s%d: %.2f / %.2f" % (r["seed"], r["fairseq_bleu"], r["sacrebleu"]) for r in rows))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        cells.append(fmt_mean_std([r["fairseq_bleu"] for r in runs]))
+        cells.append(fmt_mean_std([r["sacrebleu"] for r in runs]))
+        cells.append(str(len(runs)))
+        cells.append(", ".join("s%d: %.2f / %.2f" % (r["seed"], r["fairseq_bleu"], r["sacrebleu"]) for r in runs))
+        rows.append(cells)
+    return tables.markdown_table(head, rows, align="-" * len(head), title=title) + "\n"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -19,7 +19,7 @@ perturb probability, rho), or ``label=path`` on the command line::
 
     vasso-plot runs/sam/train.log runs/vasso/train.log -o diagnostics.png
     vasso-plot SAM=sweep/a/results.jsonl VASSO=sweep/b/results.jsonl -o db.png
-    python -m plugins.plot ...          # the same without the console script
+    python -m plugins.lab.plot ...          # the same without the console script
 
 It also prints a small table (median stability and loss gap per run).  Matplotlib
 with the Agg backend: no display needed.
@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import ast
-import json
 import math
 import os
-import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -41,87 +38,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 DIAGNOSTIC_KEYS = ("stability", "loss_gap", "sharpness", "ascent_norm", "two_pass", "rho")
 
-_TAGS = r"(train_inner|train|valid|valid_\w+|test)"
-# "2026-.. | INFO | train_inner | ..." (fairseq-train's console format) or "INFO:train_inner:..." (logging's
-# default format, when fairseq runs inside a process that configured logging first)
-_TAG_RE = re.compile(r"\|\s*" + _TAGS + r"\s*\|\s?(.*)$")
-_TAG_RE_DEFAULT = re.compile(r"^(?:[A-Z]+):" + _TAGS + r":(.*)$")
-_INNER_PREFIX_RE = re.compile(r"^epoch\s+\d+:\s+\d+\s*/\s*\d+\s+")
-_OPT_RE = re.compile(r"'optimizer':\s*\{'_name':\s*'(\w+)'([^}]*)\}")
-_NUM_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(nan|inf)$", re.IGNORECASE)
-
-
-def _num(v):
-    """fairseq writes numbers as strings in its json lines: back to float where possible."""
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str) and _NUM_RE.match(v.strip()):
-        return float(v)
-    return v
-
-
-# --------------------------------------------------------------------------- fairseq logs
-
-
-def parse_fairseq_line(line: str) -> Optional[Dict[str, object]]:
-    """One fairseq stats line as a dict (``_tag`` = train_inner / train / valid ...), else None.
-
-    Handles ``--log-format json`` (``| train_inner | {"loss": "9.8", ...}``; epoch
-    lines prefix their keys with the tag: ``train_loss``, which is stripped) and
-    ``--log-format simple`` (``| train_inner | epoch 001:  10 / 15 loss=9.8, ups=12, ...``
-    and ``| train | epoch 001 | loss 9.671 | ups 12 | ...``).
-    """
-    line = line.rstrip("\n")
-    m = _TAG_RE.search(line) or _TAG_RE_DEFAULT.match(line.strip())
-    if not m:
-        return None
-    tag, payload = m.group(1), m.group(2).strip()
-    rec: Dict[str, object] = {}
-    if payload.startswith("{"):
-        try:
-            raw = json.loads(payload)
-        except json.JSONDecodeError:
-            return None
-        prefix = tag + "_"
-        for k, v in raw.items():
-            key = k[len(prefix):] if tag != "train_inner" and k.startswith(prefix) else k
-            rec[key] = _num(v)
-    elif "=" in payload:  # simple format, train_inner
-        body = _INNER_PREFIX_RE.sub("", payload)
-        for item in body.split(","):
-            if "=" in item:
-                k, v = item.split("=", 1)
-                rec[k.strip()] = _num(v.strip())
-    else:  # simple format, epoch summary: "epoch 001 | loss 9.6 | ..."
-        for item in payload.split("|"):
-            parts = item.strip().split(None, 1)
-            if len(parts) == 2:
-                rec[parts[0]] = _num(parts[1].strip())
-    if not rec:
-        return None
-    rec["_tag"] = tag
-    return rec
-
-
-def parse_fairseq_log_text(text: str) -> List[Dict[str, object]]:
-    """Every stats line of a fairseq log, in order."""
-    out = []
-    for line in text.splitlines():
-        rec = parse_fairseq_line(line)
-        if rec is not None:
-            out.append(rec)
-    return out
-
-
-def fairseq_optimizer(text: str) -> Dict[str, object]:
-    """The optimizer section of the config fairseq prints at start ({} if absent)."""
-    m = _OPT_RE.search(text)
-    if not m:
-        return {}
-    try:
-        return ast.literal_eval("{'_name': '%s'%s}" % (m.group(1), m.group(2)))
-    except (ValueError, SyntaxError):
-        return {"_name": m.group(1)}
 
 
 def label_for(opt: Dict[str, object]) -> Optional[str]:
@@ -167,7 +83,7 @@ class Run:
     meta: Dict[str, object] = field(default_factory=dict)
 
 
-def _series(records: Sequence[Dict[str, object]], xkey: str) -> Dict[str, Tuple[List[float], List[float]]]:
+def series(records: Sequence[Dict[str, object]], xkey: str) -> Dict[str, Tuple[List[float], List[float]]]:
     out: Dict[str, Tuple[List[float], List[float]]] = {}
     for key in DIAGNOSTIC_KEYS:
         xs, ys = [], []
@@ -179,45 +95,6 @@ def _series(records: Sequence[Dict[str, object]], xkey: str) -> Dict[str, Tuple[
         if xs:
             out[key] = (xs, ys)
     return out
-
-
-def load_fairseq(path: str, label: Optional[str] = None) -> Run:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    records = [r for r in parse_fairseq_log_text(text) if r["_tag"] == "train_inner"]
-    opt = fairseq_optimizer(text)
-    run = Run(label or label_for(opt) or os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
-              path, "fairseq", _series(records, "num_updates"), {"optimizer": opt, "lines": len(records)})
-    return run
-
-
-def load_domainbed(path: str, label: Optional[str] = None) -> Run:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                records.append({k: _num(v) if not isinstance(v, (dict, list)) else v
-                                for k, v in json.loads(line).items()})
-    meta: Dict[str, object] = {}
-    if records:
-        args = records[0].get("args") or {}
-        hp = records[0].get("hparams") or {}
-        meta = {"algorithm": args.get("algorithm"), "hparams": hp, "dataset": args.get("dataset"),
-                "test_envs": args.get("test_envs")}
-        if label is None and args.get("algorithm"):
-            alg = str(args["algorithm"])
-            info = {"_name": alg.lower(), "theta": hp.get("theta"), "p": hp.get("p", 1.0),
-                    "adaptive": hp.get("adaptive", False), "rho": hp.get("rho")}
-            if alg.upper() == "GSAM":
-                info = {"_name": "sam", "gsam_alpha": hp.get("gsam_alpha", hp.get("alpha", 0.0)) or 0.0,
-                        "rho": hp.get("rho"), "p": hp.get("p", 1.0)}
-                label = "GSAM" + (f" (ρ={float(hp['rho']):g})" if hp.get("rho") is not None else "")
-            else:
-                label = label_for(info)
-    meta["records"] = len(records)
-    return Run(label or os.path.basename(os.path.dirname(os.path.abspath(path))) or path, path, "domainbed",
-               _series(records, "step"), meta)
 
 
 def load_run(spec: str) -> Run:
@@ -232,13 +109,17 @@ def load_run(spec: str) -> Run:
             if os.path.exists(os.path.join(path, name)):
                 path = os.path.join(path, name)
                 break
+    # each host reads its own format (plain text parsers: neither imports fairseq or DomainBed)
+    from domainbed_vasso import logs as domainbed_logs
+    from fairseq_vasso.nmt import logs as fairseq_logs
+
     if path.endswith(".jsonl"):
-        return load_domainbed(path, label)
+        return domainbed_logs.load_run(path, label)
     with open(path, encoding="utf-8", errors="replace") as f:
         first = f.readline().strip()
     if first.startswith("{") and '"step"' in first:
-        return load_domainbed(path, label)
-    return load_fairseq(path, label)
+        return domainbed_logs.load_run(path, label)
+    return fairseq_logs.load_run(path, label)
 
 
 # --------------------------------------------------------------------------- plotting

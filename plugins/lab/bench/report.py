@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import os
 import platform
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..tables import markdown_table
 from .models import METHODS, P_EFFICIENT, STATE_ONLY
 
 TARGETS_TEXT = {
@@ -122,21 +123,20 @@ def target_rows(results: Dict[str, Any]) -> List[List[str]]:
     return rows
 
 
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def render(results: Dict[str, Any]) -> str:
+def _header(results: Dict[str, Any]) -> List[str]:
+    """The run's machine, command and the targets' verdicts."""
     m = results["machine"]
-    out = [f"## Benchmark ({results['mode']} mode), {results['date']}", "",
-           f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs, "
-           f"torch {m['torch']}, Python {m['python']}, torch.set_num_threads({m['threads']}) in every process; "
-           f"load average at start {m['loadavg_1_5_15']}, at end {results.get('loadavg_end')}.",
-           f"Command: `{results['command']}`", "",
-           "### Targets", "", _md_table(["target", "where", "measured", "verdict"], target_rows(results)), ""]
+    return [f"## Benchmark ({results['mode']} mode), {results['date']}", "",
+            f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs, "
+            f"torch {m['torch']}, Python {m['python']}, torch.set_num_threads({m['threads']}) in every process; "
+            f"load average at start {m['loadavg_1_5_15']}, at end {results.get('loadavg_end')}.",
+            f"Command: `{results['command']}`", "",
+            "### Targets", "", markdown_table(["target", "where", "measured", "verdict"], target_rows(results)), ""]
 
+
+def _timing_section(results: Dict[str, Any]) -> List[str]:
+    """Time per update of each model and method, and the paired ratios."""
+    out: List[str] = []
     timing = results.get("timing", {})
     if timing:
         clock = {"cpu": "CPU time of the process (time.process_time)",
@@ -151,7 +151,7 @@ def render(results: Dict[str, Any]) -> str:
                              _fmt(row["restore"], ".2f"), f"{100 * row['sa_share']:.2f}%",
                              f"{100 * row['outside_fwdbwd_share']:.1f}%", _fmt(row["passes_per_update"], ".2f"),
                              str(row["repeats"])])
-        out += [_md_table(["model", "method", "ms/update", "over AdamW", "fwd+bwd ms", "base step ms",
+        out += [markdown_table(["model", "method", "ms/update", "over AdamW", "fwd+bwd ms", "base step ms",
                            "perturb ms", "restore ms", "SA work %", "outside fwd/bwd %", "passes/update",
                            "repeats"], rows), ""]
         for md, t in timing.items():
@@ -167,7 +167,12 @@ def render(results: Dict[str, Any]) -> str:
         out += ["", "SA work = update - fwd+bwd - base step (perturbation, EMA, restore, RNG replay, glue); "
                     "outside fwd/bwd also counts the base step. Model sizes: "
                 + "; ".join(f"{md}: {results['model_info'][md]}" for md in timing), ""]
+    return out
 
+
+def _floor_section(results: Dict[str, Any]) -> List[str]:
+    """The per-step overhead over AdamW running the same two passes."""
+    out: List[str] = []
     floor = results.get("floor")
     if floor:
         out += ["### Per-step overhead over the two-pass floor", "",
@@ -179,7 +184,12 @@ def render(results: Dict[str, Any]) -> str:
             out.append(f"- {METHODS[m][0]} / AdamW with two passes = {_fmt(floor[f'{m}_over_floor'])} "
                        f"(per repeat: {', '.join(_fmt(x, '.3f') for x in floor[f'{m}_over_floor_all'])})")
         out.append("")
+    return out
 
+
+def _state_section(results: Dict[str, Any]) -> List[str]:
+    """Optimizer state and peak memory per model and method."""
+    out: List[str] = []
     state = results.get("state", {})
     mem = results.get("memory", {})
     if state:
@@ -205,9 +215,14 @@ def render(results: Dict[str, Any]) -> str:
                              _fmt(s["extra_state_bytes"] / pb, ".3f"),
                              "n/a" if h is None else f"{h / 2**20:.1f} MiB", _fmt(extra, "+.2f"),
                              "n/a" if g is None else f"{g / 2**20:.1f} MiB"])
-        out += [_md_table(["model", "method", "param bytes", "base state / params", "extra state / params",
+        out += [markdown_table(["model", "method", "param bytes", "base state / params", "extra state / params",
                            "peak heap growth", "extra peak / params", "peak RSS growth"], rows), ""]
+    return out
 
+
+def _fairseq_section(results: Dict[str, Any]) -> List[str]:
+    """fairseq-train's CPU time per update and updates/sec per optimizer."""
+    out: List[str] = []
     fs = results.get("fairseq")
     if fs:
         out += ["### fairseq-train (toy de-en corpus, transformer 2+2 layers, d=128, --max-tokens 2048)", "",
@@ -221,7 +236,7 @@ def render(results: Dict[str, Any]) -> str:
                  _fmt(fs.get(f"{o}_time_over_adam"), ".3f") if o != "adam" else "1",
                  _fmt(u, ".2f"), _fmt(1.0 / fs[f"{o}_ups_time_over_adam"], ".3f") if o != "adam" else "1"]
                 for o, u in fs["ups"].items()]
-        out += [_md_table(["--optimizer", "CPU ms/update", "per run", "time per update over adam",
+        out += [markdown_table(["--optimizer", "CPU ms/update", "per run", "time per update over adam",
                            "updates/sec (fairseq ups)", "ups over adam's"], rows), ""]
         if "vasso_time_over_sam" in fs:
             out.append(f"- VASSO / SAM (CPU time per update, fairseq): {_fmt(fs['vasso_time_over_sam'])}")
@@ -241,4 +256,12 @@ def render(results: Dict[str, Any]) -> str:
         out += [f"- command (one run): `{fs['command']}`", ""]
     elif results.get("fairseq_skipped"):
         out += [f"fairseq-train: skipped ({results['fairseq_skipped']}).", ""]
+    return out
+
+
+def render(results: Dict[str, Any]) -> str:
+    """The benchmark's markdown report: one section per part that ran."""
+    out = _header(results)
+    for section in (_timing_section, _floor_section, _state_section, _fairseq_section):
+        out += section(results)
     return "\n".join(out)

@@ -39,7 +39,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import SAM, VASSO
+from plugins import SAM, VASSO
+
+from .tables import fmt_mean_std, markdown_table, mean_std  # noqa: F401  (the tables' helpers)
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.3
@@ -302,31 +304,6 @@ def top_eigenvalues(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int =
 
 # ---------------------------------------------------------------------------- tables
 
-def mean_std(values: Sequence[float]):
-    """(mean, sample std), the std None for a single value (no spread to show)."""
-    a = np.asarray(values, dtype=float)
-    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else None
-
-
-def fmt_ms(values: Sequence[float], digits: int = 2, scale: float = 1.0) -> str:
-    """'mean ± std', or the mean alone for a single value."""
-    m, s = mean_std([v * scale for v in values])
-    return f"{m:.{digits}f}" if s is None else f"{m:.{digits}f} ± {s:.{digits}f}"
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub markdown table; first column left-aligned, the others right-aligned."""
-    header = [str(h) for h in header]
-    rows = [[str(c) for c in r] for r in rows]
-    for r in rows:
-        if len(r) != len(header):
-            raise ValueError(f"row {r!r} has {len(r)} cells, header has {len(header)}")
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def set_threads(n: int) -> None:
     """Pin torch's intra-op threads (the experiments are written for 2 cores and use 1
     thread each by default: these models are too small to gain from more)."""
@@ -399,7 +376,7 @@ def labelnoise_table(results, noises, methods, seeds):
         row = [f"{round(noise * 100)}%"]
         for m in methods:
             accs = [r["test_acc"] for r in results if r["noise"] == noise and r["method"] == m]
-            row.append(fmt_ms(accs, 2, 100.0) if accs else "-")
+            row.append(fmt_mean_std(accs, 2, 100.0) if accs else "-")
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -426,7 +403,7 @@ def tradeoff_table(results, methods):
         accs, cpu, wall = col(m, "test_acc"), col(m, "cpu_time_per_epoch"), col(m, "time_per_epoch")
         twop = col(m, "two_pass_fraction")
         cm = mean_std(cpu)[0] if cpu else float("nan")
-        rows.append([m, fmt_ms(accs, 2, 100.0) if accs else "-",
+        rows.append([m, fmt_mean_std(accs, 2, 100.0) if accs else "-",
                      f"{cm:.3f}" if cpu else "-",
                      f"{mean_std(wall)[0]:.3f}" if wall else "-",
                      f"{cm / sgd_mean:.2f}x" if cpu and sgd else "-",
@@ -444,9 +421,9 @@ def spectra_table(results, methods):
     rows_l1, rows_ratio, rows_acc = ["λ_1"], ["λ_1/λ_5"], ["test accuracy (%)"]
     for m in methods:
         rs = [r for r in results if r["method"] == m]
-        rows_l1.append(fmt_ms([r["eigs"][0] for r in rs], 2) if rs else "-")
-        rows_ratio.append(fmt_ms([r["eigs"][0] / r["eigs"][4] for r in rs], 2) if rs else "-")
-        rows_acc.append(fmt_ms([r["test_acc"] for r in rs], 2, 100.0) if rs else "-")
+        rows_l1.append(fmt_mean_std([r["eigs"][0] for r in rs], 2) if rs else "-")
+        rows_ratio.append(fmt_mean_std([r["eigs"][0] / r["eigs"][4] for r in rs], 2) if rs else "-")
+        rows_acc.append(fmt_mean_std([r["test_acc"] for r in rs], 2, 100.0) if rs else "-")
     return markdown_table([""] + list(methods), [rows_l1, rows_ratio, rows_acc])
 
 

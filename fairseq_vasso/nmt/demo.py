@@ -12,10 +12,10 @@ keep clean references, and every run trains well past AdamW's best valid loss. T
 test BLEU is that of the last checkpoint, the model the training budget ends with.
 
 1. generates a deterministic toy German->English parallel corpus
-   (``fairseq_vasso.toy_corpus``: articles and case, verb agreement, verb-second and
+   (``fairseq_vasso.nmt.toy_corpus``: articles and case, verb agreement, verb-second and
    verb-final word order, perfect tense, negation) and misaligns a fraction of the
    training pairs (``toy_corpus.corrupt_targets``);
-2. prepares it with the IWSLT-14 pipeline's own steps (``fairseq_vasso.iwslt14``:
+2. prepares it with the IWSLT-14 pipeline's own steps (``fairseq_vasso.nmt.iwslt14``:
    Moses tokenization with sacremoses, lowercasing, joint BPE with subword-nmt,
    ``fairseq-preprocess --joined-dictionary``);
 3. trains a tiny transformer with stock ``fairseq-train --user-dir fairseq_vasso``,
@@ -23,17 +23,17 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    and ``--optimizer vasso --rho R --theta 0.4``: same number of updates, otherwise
    identical commands (the recipe's settings, scaled down); the corpus and its noise
    are the same for every run, the seed is fairseq's ``--seed``;
-4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s code (``fairseq_vasso.bleu``)
+4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s code (``fairseq_vasso.nmt.bleu``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
    BLEU and sacreBLEU) and prints the table: mean ± std per method beside the per-seed
    values, the last and best valid loss, fairseq_vasso's loss gap and stability, and
    whether the differences between methods exceed the spread over seeds; then a
    per-run table of the training diagnostics;
-5. plots the diagnostics (``vasso-plot``, ``plugins.plot.diagnostics``: ||eps_t - eps_{t-1}|| and
+5. plots the diagnostics (``vasso-plot``, ``plugins.lab.plot.diagnostics``: ||eps_t - eps_{t-1}|| and
    the perturbed-loss gap over updates, SAM and VASSO on the same axes, the paper's
    Fig. 4) into ``runs/demo/diagnostics.png``, and draws the paper's Fig. 3
-   (``plugins.plot.sphere``) into ``runs/demo/adversaries.png``.
+   (``plugins.lab.plot.sphere``) into ``runs/demo/adversaries.png``.
 
 Every few seconds it prints where each running job is, the elapsed time and an
 estimate of what remains; at the end, the CPU time used, which on a shared machine
@@ -48,13 +48,13 @@ import os
 import re
 import resource
 import shlex
-import statistics
+import shutil
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from .bleu import fmt_mean_std, mean_std
+from plugins.lab.tables import fmt_mean_std, mean_std
 
 DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
 # torch's, printed by every process that imports fairseq (fairseq decorates functions with
@@ -113,8 +113,8 @@ def check_dependencies():
 
 
 def prepare(out, args, log):
-    from fairseq_vasso import iwslt14 as prep
-    from fairseq_vasso import toy_corpus
+    from fairseq_vasso.nmt import iwslt14 as prep
+    from fairseq_vasso.nmt import toy_corpus
 
     raw = os.path.join(out, "raw")
     toy_corpus.write_corpus(raw, args.train, args.valid, args.test, seed=args.corpus_seed,
@@ -144,8 +144,8 @@ def run_dir(out, method, seed):
 
 
 def train_one(data, method, seed, out, args, user_dir, env):
-    from fairseq_vasso import nmt as nmt_common
-    from fairseq_vasso.nmt import train_command
+    from fairseq_vasso.nmt import recipe as nmt_common
+    from fairseq_vasso.nmt.recipe import train_command
 
     save_dir = run_dir(out, method, seed)
     extra = ["--max-update", str(args.max_update)]
@@ -284,7 +284,7 @@ RUN_DIAG = [("train_loss", "train loss"), ("valid_loss", "valid loss"), ("valid_
 
 
 def label_of(method):
-    from fairseq_vasso import nmt as nmt_common
+    from fairseq_vasso.nmt import recipe as nmt_common
 
     return nmt_common.METHODS[method].label
 
@@ -391,7 +391,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="train on CPU even where CUDA is available")
     p.add_argument("--user-dir", default=None, help="fairseq_vasso folder (default: the repository's or installed one)")
     args = p.parse_args(argv)
-    from fairseq_vasso import nmt as nmt_common
+    from fairseq_vasso.nmt import recipe as nmt_common
 
     unknown = [m for m in args.methods if m not in nmt_common.METHODS]
     if unknown:
@@ -405,50 +405,39 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    check_dependencies()
-    import shutil
+class _Clock:
+    """The demo's log lines, stamped with the seconds since it started."""
 
-    from fairseq_vasso import bleu as eval_bleu
-    from fairseq_vasso import nmt as nmt_common
+    def __init__(self):
+        self.t0 = time.time()
 
-    t0 = time.time()
+    def __call__(self, msg):
+        print("[%5.0f s] %s" % (time.time() - self.t0, msg), flush=True)
 
-    def log(msg):
-        print("[%5.0f s] %s" % (time.time() - t0, msg), flush=True)
 
-    user_dir = args.user_dir or nmt_common.default_user_dir()
-    out = os.path.abspath(args.out)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.makedirs(out)
+def train_all(data, out, args, user_dir, log):
+    """Stage 2: every (method, seed) run, the two-pass ones first (they take about twice as
+    long, so the cheap AdamW runs fill the end); exits naming the runs that failed.
+    Returns the run order and the children's environment."""
+    from fairseq_vasso.nmt import recipe as nmt_common
+
     methods, seeds = args.methods, args.seeds
     n_runs = len(methods) * len(seeds)
-    log("stage 1/4: corpus and preprocessing")
-    data, ref_file = prepare(out, args, log)
-
     jobs = min(args.jobs, n_runs)
     threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
     env = quiet_children_env(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)))
-    # the two-pass runs first (they take about twice as long), so that the cheap AdamW runs fill the end
     order = sorted(((m, s) for s in seeds for m in methods), key=lambda ms: -passes(ms[0]))
     todo = [(m, s, os.path.join(run_dir(out, m, s), "train.log")) for m, s in order]
     log("stage 2/4: training %d runs (%s x seeds %s), %d updates each, %d at once, %d thread(s) each"
         % (n_runs, ", ".join(methods), " ".join(map(str, seeds)), args.max_update, jobs, threads))
 
-    eval_times = []
-
     def eval_estimate():
         # before any checkpoint is scored: a checkpoint costs about what 45 AdamW updates do
-        # (measured here with the default sizes); afterwards the measured time
-        if eval_times:
-            per = statistics.mean(eval_times)
-        else:
-            left, frac = progress.remaining()
-            if left is None:
-                return 0.0
-            per = 45 * left / max(1e-9, (1 - frac) * sum(passes(m) for m, _, _ in todo) * args.max_update)
+        # (measured here with the default sizes)
+        left, frac = progress.remaining()
+        if left is None:
+            return 0.0
+        per = 45 * left / max(1e-9, (1 - frac) * sum(passes(m) for m, _, _ in todo) * args.max_update)
         return per * n_runs / jobs
 
     failed = []
@@ -471,20 +460,25 @@ def main(argv=None):
                     failed.append("%s seed %d" % (method, seed))
     if failed:
         raise SystemExit("training failed: %s" % ", ".join(failed))
+    return order, env
+
+
+def score_all(data, ref_file, out, order, args, user_dir, env, log):
+    """Stage 3: BLEU of each run's checkpoint with vasso-bleu's code; {(method, seed): result}."""
+    from fairseq_vasso.nmt import bleu as eval_bleu
 
     ckpt_name = "checkpoint_%s.pt" % args.checkpoint
     log("stage 3/4: scoring %s of %d runs with fairseq-generate --beam 5 --remove-bpe %s"
-        % (ckpt_name, n_runs, args.generate_args))
+        % (ckpt_name, len(order), args.generate_args))
     cpu = True if args.cpu else None
+    jobs = min(args.jobs, len(order))
 
     def score(job):
         method, seed = job
-        start = time.time()
         r = eval_bleu.evaluate_checkpoint(data, os.path.join(run_dir(out, method, seed), ckpt_name),
                                           user_dir=user_dir, cpu=cpu, ref_file=ref_file,
                                           extra=shlex.split(args.generate_args), env=env)
         r.update(method=method, seed=seed)
-        eval_times.append(time.time() - start)
         return r
 
     results = {}
@@ -494,11 +488,19 @@ def main(argv=None):
         for fut in as_completed(futures):
             r = fut.result()
             results[r["method"], r["seed"]] = r
-            left = n_runs - len(results)
+            left = len(order) - len(results)
             rate = (time.time() - eval_start) / len(results)
             log("%s seed %d: BLEU %.2f (%d of %d scored; about %s left)"
-                % (r["method"], r["seed"], r["fairseq_bleu"], len(results), n_runs, fmt_duration(rate * left)))
+                % (r["method"], r["seed"], r["fairseq_bleu"], len(results), len(order), fmt_duration(rate * left)))
+    return results
 
+
+def report(out, args, results):
+    """The seeded comparison and the per-run diagnostics, as markdown (also written to
+    ``results.md``)."""
+    from fairseq_vasso.nmt import recipe as nmt_common
+
+    methods, seeds = args.methods, args.seeds
     stats = {(m, s): last_epoch_stats(os.path.join(run_dir(out, m, s), "train.log")) for m in methods for s in seeds}
     first = results[methods[0], seeds[0]]
     paper = ", ".join("%s %.2f" % (label_of(m), nmt_common.METHODS[m].paper_bleu) for m in methods)
@@ -508,8 +510,8 @@ def main(argv=None):
         "",
         "%d training pairs (%.0f %% with the English side of another pair), clean valid (%d) and test (%d) "
         "references; %d updates per run, %s scored; seeds %s; rho %g."
-        % (args.train, 100 * args.train_noise, args.valid, first["n"], args.max_update, ckpt_name,
-           ", ".join(map(str, seeds)), args.rho),
+        % (args.train, 100 * args.train_noise, args.valid, first["n"], args.max_update,
+           "checkpoint_%s.pt" % args.checkpoint, ", ".join(map(str, seeds)), args.rho),
         "",
         summary_table(methods, seeds, results, stats),
         "Differences of mean test BLEU:",
@@ -525,23 +527,44 @@ def main(argv=None):
         "",
         runs_table(methods, seeds, stats),
     ])
-    print(text)
     with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(text)
+    return text
 
-    log("stage 4/4: plots")
-    # the paper's Fig. 4 (stability) and the loss gap for these runs, and its Fig. 3
-    from plugins.plot import diagnostics as plot_diagnostics
-    from plugins.plot import sphere as adversary_sphere
+
+def plot(out, args, log):
+    """Stage 4: the paper's Fig. 4 (stability) and the loss gap for these runs, and its Fig. 3."""
+    from plugins.lab.plot import diagnostics as plot_diagnostics
+    from plugins.lab.plot import sphere as adversary_sphere
 
     runs = ["%s s%d=%s" % (m, s, os.path.join(run_dir(out, m, s), "train.log"))  # a label=path spec: no '=' in it
-            for m in methods if passes(m) > 1 for s in seeds]
+            for m in args.methods if passes(m) > 1 for s in args.seeds]
     if runs:
         png = os.path.join(out, "diagnostics.png")
         plot_diagnostics.main(runs + ["-o", png, "--smooth", "5", "--title",
                                       "demo: toy de-en, %.0f %% misaligned targets" % (100 * args.train_noise)])
         log("diagnostics plot (stability and loss gap over updates): %s" % png)
     adversary_sphere.main(["-o", os.path.join(out, "adversaries.png")])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_dependencies()
+    from fairseq_vasso.nmt import recipe as nmt_common
+
+    log = _Clock()
+    user_dir = args.user_dir or nmt_common.default_user_dir()
+    out = os.path.abspath(args.out)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.makedirs(out)
+    log("stage 1/4: corpus and preprocessing")
+    data, ref_file = prepare(out, args, log)
+    order, env = train_all(data, out, args, user_dir, log)
+    results = score_all(data, ref_file, out, order, args, user_dir, env, log)
+    print(report(out, args, results))
+    log("stage 4/4: plots")
+    plot(out, args, log)
     me, kids = cpu_seconds()
     log("done; table in %s, plots in %s. CPU time: %.0f s (%.0f s in fairseq processes, %.0f s in this one); "
         "on 2 idle cores about %s" % (os.path.join(out, "results.md"), out, me + kids, kids, me,

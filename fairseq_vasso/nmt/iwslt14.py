@@ -45,7 +45,7 @@ import subprocess
 import tarfile
 import urllib.request
 
-from .nmt import fairseq_bin
+from .recipe import fairseq_bin
 
 # The shell script's URL (wit3.fbk.eu) has been offline for years; fairseq's
 # mirror of the same archive is tried first.

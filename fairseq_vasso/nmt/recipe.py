@@ -1,5 +1,5 @@
 """The paper's NMT rows and fairseq's console scripts, for the IWSLT-14 recipe,
-``vasso-bleu`` (:mod:`fairseq_vasso.bleu`), the demo and the benchmark.
+``vasso-bleu`` (:mod:`fairseq_vasso.nmt.bleu`), the demo and the benchmark.
 
 * ``METHODS``: the rows of the paper's table ``tab.nmt`` and the fairseq
   optimizer flags that select each (``--optimizer adam`` is fairseq's AdamW:
@@ -98,8 +98,8 @@ def fairseq_bin(name):
 
 
 def default_user_dir():
-    """The folder to pass to ``--user-dir``: this package's own."""
-    return os.path.dirname(os.path.abspath(__file__))
+    """The folder to pass to ``--user-dir``: the ``fairseq_vasso`` package's own."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def shell_join(cmd):

@@ -1,9 +1,9 @@
 """The benchmark's fairseq-train comparison (``scripts/benchmark.py``): ``--optimizer
 vasso`` (and ``sam``) over ``--optimizer adam`` on the toy de-en corpus
-(:mod:`fairseq_vasso.toy_corpus`), one process per run, the CPU time of every
+(:mod:`fairseq_vasso.nmt.toy_corpus`), one process per run, the CPU time of every
 ``Trainer.train_step`` timed from outside fairseq_vasso's two-pass step.
 
-    python -m fairseq_vasso.bench STEP_LOG -- FAIRSEQ_TRAIN_ARGS...
+    python -m fairseq_vasso.nmt.bench STEP_LOG -- FAIRSEQ_TRAIN_ARGS...
 
 runs one such fairseq-train in this process (what :func:`run_fairseq` starts)."""
 
@@ -13,12 +13,11 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from typing import Any, Callable, Dict, List, Sequence
 
-from plugins.bench.timing import median
+from plugins.lab.bench.timing import median
 
-from . import nmt, toy_corpus
+from . import recipe as nmt, toy_corpus
 
 # the benchmark's --optimizer -> its row of nmt.METHODS (the flags and rho come from there)
 OPTIMIZER_ROWS = {"adam": "adamw", "sam": "sam", "vasso": "vasso0.4"}
@@ -70,51 +69,32 @@ def fairseq_command(data: str, optimizer: str, max_update: int, save_dir: str, l
 
 def fairseq_ups(log_text: str) -> List[float]:
     """fairseq's ``ups`` of every ``train_inner`` line but the first (warm-up), json or simple format."""
-    from plugins.plot.diagnostics import parse_fairseq_log_text
+    from .logs import parse_fairseq_log_text
 
     records = [r for r in parse_fairseq_log_text(log_text) if r.get("_tag") == "train_inner"]
     return [float(r["ups"]) for r in records[1:] if "ups" in r]
 
 
 def fairseq_child(step_log: str, argv: Sequence[str]) -> int:
-    """Run fairseq-train in this process with ``Trainer.train_step`` timed (CPU and wall
-    seconds per update, one line per update in ``step_log``).  fairseq_vasso (this package)
-    is imported already, so the timer wraps its two-pass step from the outside."""
-    from fairseq.tasks.fairseq_task import FairseqTask
-    from fairseq.trainer import Trainer
+    """Run fairseq-train in this process with every update timed by the hooks' timer
+    (:func:`fairseq_vasso.hooks.time_train_steps`: CPU and wall seconds per update, one
+    line per update in ``step_log``), from the outside of the two-pass step."""
     from fairseq_cli import train as train_cli
 
-    inner = Trainer.train_step
-    task_inner = FairseqTask.train_step
-    out = open(step_log, "w", encoding="utf-8")
-    passes = {"n": 0, "cpu": 0.0}
+    import fairseq_vasso
 
-    def timed_task_step(self, *a, **k):  # one forward/backward of one micro-batch
-        c0 = time.process_time()
-        try:
-            return task_inner(self, *a, **k)
-        finally:
-            passes["n"] += 1
-            passes["cpu"] += time.process_time() - c0
+    fairseq_vasso.register()
+    from fairseq_vasso import hooks
 
-    def timed_train_step(self, *a, **k):
-        passes["n"], passes["cpu"] = 0, 0.0
-        c0, w0 = time.process_time(), time.perf_counter()
-        try:
-            return inner(self, *a, **k)
-        finally:
+    with open(step_log, "w", encoding="utf-8") as out:
+        def write(cpu, wall, passes, passes_cpu):
             # columns: CPU s of the update, wall s, forward/backward passes, their CPU s
-            out.write(f"{time.process_time() - c0:.6f} {time.perf_counter() - w0:.6f} {passes['n']} "
-                      f"{passes['cpu']:.6f}\n")
+            out.write(f"{cpu:.6f} {wall:.6f} {passes} {passes_cpu:.6f}\n")
             out.flush()
 
-    FairseqTask.train_step = timed_task_step
-    Trainer.train_step = timed_train_step
-    sys.argv = ["fairseq-train", *argv]
-    try:
+        hooks.time_train_steps(write)
+        sys.argv = ["fairseq-train", *argv]
         train_cli.cli_main()
-    finally:
-        out.close()
     return 0
 
 
@@ -134,7 +114,7 @@ def run_fairseq(workdir: str, optimizers: Sequence[str], reps: int, max_update: 
         for o in list(optimizers)[k:] + list(optimizers)[:k]:
             cmd = fairseq_command(data, o, max_update, os.path.join(workdir, f"ckpt-{o}"), log_interval)
             step_log = os.path.join(workdir, f"steps-{o}.txt")
-            child = [sys.executable, "-m", "fairseq_vasso.bench", step_log, "--", *cmd[1:]]
+            child = [sys.executable, "-m", "fairseq_vasso.nmt.bench", step_log, "--", *cmd[1:]]
             proc = subprocess.run(child, capture_output=True, text=True, env=env, timeout=900)
             text = proc.stdout + "\n" + proc.stderr
             ups = fairseq_ups(text)
@@ -208,7 +188,7 @@ def fairseq_from_parts(step_parts: Dict[str, List[List[tuple]]], skip: int) -> D
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[1] != "--":
-        raise SystemExit("usage: python -m fairseq_vasso.bench STEP_LOG -- FAIRSEQ_TRAIN_ARGS...")
+        raise SystemExit("usage: python -m fairseq_vasso.nmt.bench STEP_LOG -- FAIRSEQ_TRAIN_ARGS...")
     return fairseq_child(argv[0], argv[2:])
 
 

@@ -22,7 +22,7 @@ machine.
 
 Usage::
 
-    python -m fairseq_vasso.toy_corpus OUTDIR [--train 4000 --valid 300 --test 300 --seed 1]
+    python -m fairseq_vasso.nmt.toy_corpus OUTDIR [--train 4000 --valid 300 --test 300 --seed 1]
 
 writes ``OUTDIR/{train,valid,test}.{de,en}``.
 """

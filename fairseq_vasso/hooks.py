@@ -1,15 +1,20 @@
-"""The second pass inside fairseq's ``Trainer.train_step``, for ``sam`` / ``vasso`` only.
+"""Every patch ``fairseq_vasso`` makes to fairseq, in one place; inert unless
+``--optimizer`` is ``sam`` or ``vasso``.
 
 fairseq's optimizer never sees a closure or a sample: ``Trainer.train_step`` runs
 ``task.train_step`` (forward/backward) per micro-batch of ``--update-freq``, then
 all-reduces the gradients over ranks, multiplies them by ``world_size /
 sample_size`` (and by 1/loss_scale under ``--fp16``), clips them, checks for
-overflow and calls ``optimizer.step()``.  Importing :mod:`fairseq_vasso` patches
-three methods of :class:`fairseq.trainer.Trainer`:
+overflow and calls ``optimizer.step()``.  Importing this module (the user-dir does)
+patches:
 
-* ``__init__``: refuses, before anything is built, the modes this plugin cannot
-  make correct (see :func:`check_config`) and bad flag values; only when
-  ``--optimizer`` is ``sam`` or ``vasso``.
+* ``fairseq.options.parse_args_and_arch``, once: with ``--optimizer sam|vasso`` it
+  adds the optimizer's flags to ``--help`` (fairseq prints help before any
+  optimizer has added its arguments) and, right after parsing, refuses bad flag
+  values and the modes this plugin cannot make correct (:func:`check_config`) with
+  one line and exit status 2, like argparse, before the task, model or data exist.
+* ``Trainer.__init__``: the same refusals for configs that never went through the
+  command line (``fairseq-hydra-train``).
 * ``train_step``: with any other optimizer it calls fairseq's own ``train_step``
   and nothing else.  With ``sam`` / ``vasso`` it runs fairseq's own ``train_step``
   too, with two instance-level wrappers that are removed afterwards:
@@ -54,84 +59,215 @@ exist for an update (no second pass: no eps_t) are logged with weight 0.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
+import importlib
+import inspect
 import logging
 import math
+import sys
+import time
 
 import torch
-from fairseq import utils
-from fairseq.logging import metrics
-from fairseq.optim import AMPOptimizer, FP16Optimizer, MemoryEfficientFP16Optimizer
-from fairseq.trainer import Trainer
 
-from plugins.perturbation import global_norm, rng_state
+#: The fairseq this plugin is tested with; the internals below are checked at import.
+TESTED_FAIRSEQ = "fairseq 0.12.2 (as fairseq-fixed 0.12.3.1)"
 
-from .optimizer import FairseqSharpnessAware, check_flags
+#: Every fairseq name the hooks read, patch or call beyond fairseq's public CLI:
+#: (module, attribute path).  A missing one fails the import with one line.
+FAIRSEQ_INTERNALS = (
+    ("fairseq.options", "parse_args_and_arch"),
+    ("fairseq.dataclass.utils", "gen_parser_from_dataclass"),
+    ("fairseq.trainer", "Trainer.__init__"),
+    ("fairseq.trainer", "Trainer.train_step"),
+    ("fairseq.trainer", "Trainer.zero_grad"),
+    ("fairseq.trainer", "Trainer.optimizer"),
+    ("fairseq.trainer", "Trainer.data_parallel_world_size"),
+    ("fairseq.tasks.fairseq_task", "FairseqTask.train_step"),
+    ("fairseq.optim.fairseq_optimizer", "FairseqOptimizer.multiply_grads"),
+    ("fairseq.optim.fairseq_optimizer", "FairseqOptimizer.all_reduce_grads"),
+    ("fairseq.optim.fp16_optimizer", "FP16Optimizer._unscale_grads"),
+    ("fairseq.optim.fp16_optimizer", "FP16Optimizer._sync_fp32_params_to_fp16"),
+    ("fairseq.optim.fp16_optimizer", "MemoryEfficientFP16Optimizer._unscale_grads"),
+    ("fairseq.optim.amp_optimizer", "AMPOptimizer.scaler"),
+    ("fairseq.logging.metrics", "aggregate"),
+    ("fairseq.logging.metrics", "log_scalar"),
+    ("fairseq.distributed.utils", "all_reduce"),
+)
+
+
+class FairseqVersionError(ImportError):
+    """The installed fairseq lacks an internal the hooks rely on."""
+
+
+def check_fairseq_internals() -> None:
+    """Every name of :data:`FAIRSEQ_INTERNALS` exists, and ``Trainer.train_step`` still
+    calls ``optimizer.multiply_grads`` before it clips (the second pass runs inside
+    that call, on the all-reduced gradient, before clipping)."""
+    missing = []
+    for module, path in FAIRSEQ_INTERNALS:
+        try:
+            obj = importlib.import_module(module)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+    if not missing:
+        from fairseq.trainer import Trainer
+
+        try:
+            source = inspect.getsource(Trainer.train_step)
+        except (OSError, TypeError):  # no source shipped: nothing to check the order against
+            source = None
+        if source is not None:
+            multiply, clip = source.find(".multiply_grads("), source.find("self.clip_grad_norm(")
+            if not 0 <= multiply < clip:
+                missing.append("Trainer.train_step's order (multiply_grads, then clip_grad_norm)")
+    if missing:
+        import fairseq
+
+        raise FairseqVersionError(
+            f"fairseq_vasso needs {TESTED_FAIRSEQ}; the installed fairseq "
+            f"{getattr(fairseq, '__version__', '?')} lacks {', '.join(missing)}")
+
+
+try:
+    check_fairseq_internals()
+except FairseqVersionError as exc:
+    if "fairseq_cli" in sys.modules:  # fairseq-train & co.: one line, no traceback
+        raise SystemExit(f"error: {exc}") from None
+    raise
+
+from fairseq import options, utils  # noqa: E402
+from fairseq.logging import metrics  # noqa: E402
+from fairseq.optim import AMPOptimizer, FP16Optimizer, MemoryEfficientFP16Optimizer  # noqa: E402
+from fairseq.trainer import Trainer  # noqa: E402
+
+from plugins import rng_state  # noqa: E402
+from plugins.perturbation import global_norm  # noqa: E402
+
+from .optimizer import CONFIGS, FairseqSharpnessAware, check_flags  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_NAMES = ("sam", "vasso")
+OPTIMIZER_NAMES = tuple(CONFIGS)
 DIAGNOSTICS = ("ascent_norm", "loss_gap", "sharpness", "stability")
 
-_stock_init = getattr(Trainer.__init__, "__wrapped__", Trainer.__init__) \
-    if getattr(Trainer.__init__, "_fairseq_vasso_hook", False) else Trainer.__init__
-_stock_train_step = getattr(Trainer.train_step, "__wrapped__", Trainer.train_step) \
-    if getattr(Trainer.train_step, "_fairseq_vasso_hook", False) else Trainer.train_step
+
+def _stock(fn):
+    """The fairseq function under our patch (the module may be imported twice:
+    --user-dir and pip), or ``fn`` itself when unpatched."""
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "_fairseq_vasso_hook", False) else fn
+
+
+_stock_init = _stock(Trainer.__init__)
+_stock_train_step = _stock(Trainer.train_step)
+_stock_parse_args_and_arch = _stock(options.parse_args_and_arch)
 
 
 class UnsupportedMode(ValueError):
     """A fairseq training mode that --optimizer sam/vasso refuses."""
 
 
-def _sel(cfg, dotted, default=None):
+def _setting(cfg, dotted, default=None):
+    """``cfg.common.fp16`` in fairseq's omegaconf config, ``args.fp16`` in the parsed
+    command line (an ``argparse.Namespace`` is flat)."""
+    parts = dotted.split(".")
+    if isinstance(cfg, argparse.Namespace):
+        parts = parts[-1:]
     node = cfg
-    for part in dotted.split("."):
+    for part in parts:
         try:
             node = getattr(node, part)
-        except Exception:
+        except Exception:  # omegaconf: a missing key or interpolation
             return default
         if node is None:
             return default
     return node
 
 
+def optimizer_name(cfg):
+    """``--optimizer`` of a parsed command line or an omegaconf config."""
+    if isinstance(cfg, argparse.Namespace):
+        return getattr(cfg, "optimizer", None)
+    return _setting(cfg, "optimizer._name")
+
+
 def check_config(cfg) -> None:
-    """Refuse, with the flag's name, what ``--optimizer sam|vasso`` cannot make correct."""
-    name = _sel(cfg, "optimizer._name")
-    check_flags(cfg.optimizer)
+    """Refuse, with the flag's name, a bad flag value or a mode that ``--optimizer
+    sam|vasso`` cannot make correct; ``cfg`` is the parsed command line or fairseq's
+    omegaconf config."""
+    name = optimizer_name(cfg)
+    check_flags(cfg if isinstance(cfg, argparse.Namespace) else cfg.optimizer)
 
     def refuse(flag, why):
         raise UnsupportedMode(f"--optimizer {name} does not support {flag}: {why}")
 
-    if _sel(cfg, "optimization.use_bmuf", False):
+    if _setting(cfg, "optimization.use_bmuf", False):
         refuse("--use-bmuf", "BMUF averages models between ranks instead of all-reducing the gradient "
                              "the ascent needs")
-    backend = _sel(cfg, "distributed_training.ddp_backend", "")
+    backend = _setting(cfg, "distributed_training.ddp_backend", "")
     if backend == "fully_sharded":
         refuse("--ddp-backend fully_sharded", "the ascent needs the full gradient and parameters on each rank")
     if backend == "slowmo":
         refuse("--ddp-backend slowmo", "SlowMo changes the parameters outside the optimizer step")
-    if _sel(cfg, "distributed_training.zero_sharding", "none") not in ("none", None):
+    if _setting(cfg, "distributed_training.zero_sharding", "none") not in ("none", None):
         refuse("--zero-sharding", "the sharded optimizer state would split d_t and the ascent norm")
-    if _sel(cfg, "common.memory_efficient_fp16", False) or _sel(cfg, "common.memory_efficient_bf16", False):
-        refuse("--memory-efficient-fp16/--memory-efficient-bf16",
-               "it keeps no fp32 master copy to perturb and restore exactly; use --fp16 "
-               "--fp16-no-flatten-grads")
-    if _sel(cfg, "common.amp", False):
-        refuse("--amp", "torch's GradScaler unscales once per step, the two-pass step needs two; "
-                        "use --fp16 --fp16-no-flatten-grads")
-    if _sel(cfg, "common.bf16", False):
-        refuse("--bf16", "fairseq runs --bf16 on TPUs only (it implies --tpu), which is not tested here")
-    if _sel(cfg, "common.fp16", False) and not _sel(cfg, "common.fp16_no_flatten_grads", False):
-        refuse("--fp16 without --fp16-no-flatten-grads",
-               "the ascent works on per-parameter fp32 master copies; add --fp16-no-flatten-grads")
-    if _sel(cfg, "common.tpu", False):
+    if _setting(cfg, "common.bf16", False) or _setting(cfg, "common.memory_efficient_bf16", False):
+        refuse("--bf16", "fairseq 0.12 runs bf16 (and --memory-efficient-bf16) on TPUs only (it implies --tpu), "
+                         "which is not tested here; use --amp or --fp16 on GPUs")
+    flat_fp16 = (_setting(cfg, "common.fp16", False) and not _setting(cfg, "common.memory_efficient_fp16", False)
+                 and not _setting(cfg, "common.fp16_no_flatten_grads", False))
+    if flat_fp16 and _setting(cfg, "optimizer.adaptive", False):
+        refuse("--adaptive with flattened --fp16", "ASAM scales weight tensors and leaves biases alone, and "
+                                                   "fairseq's one flat fp32 master vector no longer tells them "
+                                                   "apart; add --fp16-no-flatten-grads, or use --amp")
+    if _setting(cfg, "common.tpu", False):
         refuse("--tpu", "not tested on XLA")
-    if (_sel(cfg, "common.model_parallel_size", 1) or 1) > 1:
+    if (_setting(cfg, "common.model_parallel_size", 1) or 1) > 1:
         refuse("--model-parallel-size > 1", "the ascent norm would be per shard, not global")
-    if _sel(cfg, "distributed_training.pipeline_model_parallel", False):
+    if _setting(cfg, "distributed_training.pipeline_model_parallel", False):
         refuse("--pipeline-model-parallel", "not supported")
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def _requested_optimizer(args):
+    name = None
+    for i, a in enumerate(args):
+        if a == "--optimizer" and i + 1 < len(args):
+            name = args[i + 1]
+        elif a.startswith("--optimizer="):
+            name = a.split("=", 1)[1]
+    return name
+
+
+@functools.wraps(_stock_parse_args_and_arch)
+def _patched_parse_args_and_arch(parser, input_args=None, *args, **kwargs):
+    argv = list(sys.argv[1:] if input_args is None else input_args)
+    requested = _requested_optimizer(argv)
+    if requested in CONFIGS and {"-h", "--help"} & set(argv):
+        # fairseq prints --help before any optimizer added its flags: add ours first
+        from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+        try:
+            group = parser.add_argument_group(f"optimizer '{requested}' (fairseq_vasso)")
+            gen_parser_from_dataclass(group, CONFIGS[requested]())
+        except argparse.ArgumentError:  # added already (a second parse): the help has them
+            pass
+    out = _stock_parse_args_and_arch(parser, input_args, *args, **kwargs)
+    parsed = out[0] if isinstance(out, tuple) else out
+    if getattr(parsed, "optimizer", None) in OPTIMIZER_NAMES:
+        try:
+            check_config(parsed)
+        except ValueError as exc:  # one line, exit status 2, as argparse reports fairseq's own flags
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return out
+
+
+# ------------------------------------------------------------------ the Trainer
 
 
 def _sharpness_optimizer(trainer):
@@ -142,7 +278,7 @@ def _sharpness_optimizer(trainer):
 
 @functools.wraps(_stock_init)
 def _patched_init(self, cfg, *args, **kwargs):
-    if _sel(cfg, "optimizer._name") in OPTIMIZER_NAMES:
+    if optimizer_name(cfg) in OPTIMIZER_NAMES:
         check_config(cfg)
     _stock_init(self, cfg, *args, **kwargs)
 
@@ -377,9 +513,67 @@ def _log_diagnostics(sa, ctx):
     metrics.log_scalar("rho", float(raw.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
 
 
-_patched_init._fairseq_vasso_hook = True
-_patched_train_step._fairseq_vasso_hook = True
-# once per process, even if the package is imported under two names (--user-dir and pip)
-if not getattr(Trainer.train_step, "_fairseq_vasso_hook", False):
-    Trainer.__init__ = _patched_init
-    Trainer.train_step = _patched_train_step
+# ------------------------------------------------------------------ installing
+
+#: (owner, attribute, our function): every patch this module makes
+PATCHES = (
+    (options, "parse_args_and_arch", _patched_parse_args_and_arch),
+    (Trainer, "__init__", _patched_init),
+    (Trainer, "train_step", _patched_train_step),
+)
+
+
+def install() -> None:
+    """Install every patch, once per process (the package may be imported under two
+    names: --user-dir and pip)."""
+    for owner, attr, ours in PATCHES:
+        ours._fairseq_vasso_hook = True
+        if not getattr(getattr(owner, attr), "_fairseq_vasso_hook", False):
+            setattr(owner, attr, ours)
+
+
+@contextlib.contextmanager
+def stock_fairseq():
+    """fairseq exactly as shipped inside the block (for comparisons and tests)."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in PATCHES]
+    for owner, attr, current in saved:
+        setattr(owner, attr, _stock(current))
+    try:
+        yield
+    finally:
+        for owner, attr, current in saved:
+            setattr(owner, attr, current)
+
+
+def time_train_steps(write):
+    """Time every update from the outside of the (hooked) ``Trainer.train_step``: after each,
+    ``write(cpu_s, wall_s, passes, passes_cpu_s)`` with the update's CPU and wall seconds and
+    its forward/backward passes (``task.train_step`` calls) and their CPU seconds.  For the
+    benchmark (:mod:`fairseq_vasso.nmt.bench`); it stays installed for the process."""
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    hooked_train_step = Trainer.train_step
+    stock_task_step = FairseqTask.train_step
+    passes = {"n": 0, "cpu": 0.0}
+
+    def timed_task_step(self, *a, **k):  # one forward/backward of one micro-batch
+        c0 = time.process_time()
+        try:
+            return stock_task_step(self, *a, **k)
+        finally:
+            passes["n"] += 1
+            passes["cpu"] += time.process_time() - c0
+
+    def timed_train_step(self, *a, **k):
+        passes["n"], passes["cpu"] = 0, 0.0
+        c0, w0 = time.process_time(), time.perf_counter()
+        try:
+            return hooked_train_step(self, *a, **k)
+        finally:
+            write(time.process_time() - c0, time.perf_counter() - w0, passes["n"], passes["cpu"])
+
+    FairseqTask.train_step = timed_task_step
+    Trainer.train_step = timed_train_step
+
+
+install()

@@ -14,7 +14,7 @@ SNR"): the coordinates' noise variances are in the ratio 0.2 : 1 : 2, and one
 common factor ``c`` sets the SNR, defined as ``||grad f||^2 / E||xi||^2``, so
 ``Var(xi_i) = c * (0.2, 1, 2)_i`` with ``c = ||grad f||^2 / (3.2 * SNR)``.
 
-    python -m plugins.plot.sphere -o adversaries.png [--theta 0.4 --seed 0]
+    python -m plugins.lab.plot.sphere -o adversaries.png [--theta 0.4 --seed 0]
 
 Each panel's title gives the mean angle between ``eps_t`` and ``grad f`` and the
 mean ``||eps_t - eps_{t-1}||`` (the paper's stability measure, rho = 1); the same

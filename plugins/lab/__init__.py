@@ -1,0 +1,11 @@
+"""The core's lab: what is built around the optimizer family rather than being it.
+
+* :mod:`plugins.lab.bench`: the benchmark's models, timing, memory and report
+  (``scripts/benchmark.py``);
+* :mod:`plugins.lab.plot`: ``vasso-plot`` (diagnostics of fairseq logs and DomainBed
+  results; each host's package reads its own format) and the paper's sphere figure;
+* :mod:`plugins.lab.digits`: the digits experiments (``scripts/digits/``);
+* :mod:`plugins.lab.tables`: the one mean ± std and markdown table writer of every tool.
+
+Torch, numpy and (for plots) matplotlib; ``import plugins`` never imports this.
+"""

@@ -1,0 +1,7 @@
+"""``python -m plugins.lab.plot``: the ``vasso-plot`` command."""
+
+import sys
+
+from .diagnostics import main
+
+sys.exit(main())

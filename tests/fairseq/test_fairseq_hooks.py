@@ -1,0 +1,43 @@
+"""fairseq_vasso.hooks, the one module that patches fairseq: refusals before anything is
+built, and a clear one-line failure when a fairseq internal it uses is missing."""
+
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import fairseq  # noqa: F401
+except ImportError as exc:  # not installed, or broken against this torch
+    pytest.skip(f"fairseq is not importable ({exc}); pip install --no-build-isolation fairseq-fixed==0.12.3.1",
+                allow_module_level=True)
+
+
+def test_unsupported_mode_refused_on_the_command_line_before_the_model(toy_data, tmp_path, fs):
+    out = fs.run_cli("fairseq_cli.train", fs.model_args(toy_data, tmp_path) + ["--bf16"])
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-2000:]
+    assert "Traceback" not in text and "usage:" not in text, text[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "train.py: error: --optimizer vasso does not support --bf16: "), out.stderr  # python -m fairseq_cli.train
+    # no task (dictionaries), no model, no data
+    assert "dictionary:" not in text and "num. shared model params" not in text and "loaded" not in text
+
+
+@pytest.mark.parametrize("internal", ["FP16Optimizer._unscale_grads", "Trainer.zero_grad"])
+def test_missing_fairseq_internal_fails_in_one_line(internal):
+    owner, attr = internal.split(".")
+    module = {"FP16Optimizer": "fairseq.optim.fp16_optimizer", "Trainer": "fairseq.trainer"}[owner]
+    # deleted where it is defined (FP16Optimizer inherits it from a mixin)
+    prelude = (f"import {module} as m; delattr(next(c for c in m.{owner}.__mro__ if {attr!r} in vars(c)), "
+               f"{attr!r}); ")
+    # as fairseq-train imports the user-dir (fairseq_cli loaded): one line, no traceback
+    cli = subprocess.run([sys.executable, "-c", prelude + "import fairseq_cli.train, fairseq_vasso"],
+                         capture_output=True, text=True, timeout=120)
+    lines = cli.stderr.strip().splitlines()
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+    assert lines[-1].startswith("error: fairseq_vasso needs fairseq 0.12.2") and internal in lines[-1], lines
+    # in a library process: an ImportError subclass with the same message
+    lib = subprocess.run([sys.executable, "-c", prelude + "import fairseq_vasso.hooks"],
+                         capture_output=True, text=True, timeout=120)
+    assert lib.returncode == 1 and "FairseqVersionError: fairseq_vasso needs" in lib.stderr, lib.stderr
