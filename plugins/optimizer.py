@@ -393,6 +393,7 @@ class SharpnessAware(torch.optim.Optimizer):
             torch._foreach_copy_(anchors, params)
 
         eps, scale, ascent_norm, sharpness = self._ascend(lists, slopes, slope_norm, rho)
+        _moved_parameters()
         diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
         if self.track_stability:
             diag["stability"] = self._stability(lists, grads, slopes, eps, scale, ascent_norm, inner_previous,
@@ -489,6 +490,7 @@ class SharpnessAware(torch.optim.Optimizer):
         else:
             torch._foreach_add_(params, pending["slopes"], alpha=-pending["scale"])
         pending["at_ascent"] = False
+        _moved_parameters()
 
     def abandon(self) -> None:
         """Restore and drop the step in flight without a base step (the host skipped the update)."""
@@ -526,7 +528,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if pending["kind"] == "first_gradient":  # g_t, found finite by perturb(): nothing to decide again
             if grad_scale is not None:
                 P.unscale([q.grad for q in params], grad_scale, in_place=True)
-            self.base_optimizer.step()
+            self._base_step()
             return True
         firsts = pending["first_grads"]
         second = [q.grad for q in params]
@@ -557,8 +559,12 @@ class SharpnessAware(torch.optim.Optimizer):
             return False
         if gsam:
             P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=values[0], g_dot_h=values[1])
-        self.base_optimizer.step()
+        self._base_step()
         return True
+
+    def _base_step(self) -> None:
+        self.base_optimizer.step()
+        _moved_parameters()
 
     @contextlib.contextmanager
     def second_pass(self, model: Optional[torch.nn.Module] = None, rng: Optional[tuple] = None) -> Iterator[None]:
@@ -797,6 +803,14 @@ def _loss_gap(first, second):
     if torch.is_tensor(first) and torch.is_tensor(second) and first.numel() == 1 and second.numel() == 1:
         return second.detach().reshape(()).to(first.device, torch.float64) - first.detach().reshape(()).double()
     return _as_float(second) - _as_float(first)
+
+
+def _moved_parameters() -> None:
+    """The parameters moved: drop autocast's cached low-precision copies of them.  Inside
+    one autocast region torch casts each leaf parameter once and reuses the copy, so a
+    second pass under the autocast of the first (``with autocast(): opt.step(closure)``)
+    would otherwise run at ``x_t``, not at ``x_t + eps_t``."""
+    torch.clear_autocast_cache()
 
 
 def _loss_scale(scaler, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
