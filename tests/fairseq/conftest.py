@@ -205,13 +205,13 @@ def run_cli(module, argv, *, env=None, timeout=300):
 
 # ------------------------------------------------------------------ fp16 / AMP on a CPU
 
-@pytest.fixture
-def cpu_half_precision(monkeypatch):
-    """fairseq's real ``--fp16`` / ``--memory-efficient-fp16`` / ``--amp`` code on a CPU.
+def cpu_half_precision_patches():
+    """fairseq's real ``--fp16`` / ``--memory-efficient-fp16`` / ``--amp`` code on a CPU:
+    ``(owner, attribute, value)`` for the four device checks to patch.
 
     fairseq 0.12 runs these modes through its own Trainer, FP16Optimizer,
     MemoryEfficientFP16Optimizer, DynamicLossScaler and AMPOptimizer; all of them run
-    unchanged here.  Patched, and nothing else (four device checks):
+    unchanged.  Patched, and nothing else:
 
     1. ``torch.cuda.current_device()`` returns None: FP16Optimizer keys the flat fp32
        master copy by it and finds the fp16 params by ``p.device.index``, which is
@@ -226,11 +226,20 @@ def cpu_half_precision(monkeypatch):
     """
     import torch
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    monkeypatch.setattr(torch.cuda.amp, "GradScaler", lambda **kw: torch.amp.GradScaler("cpu", **kw))
-    monkeypatch.setattr(torch.cuda.amp, "autocast",
-                        lambda enabled=True, **kw: torch.autocast("cpu", dtype=torch.float16, enabled=enabled))
+    return [
+        (torch.cuda, "current_device", lambda: None),
+        (torch.Tensor, "cuda", lambda self, *a, **k: self),
+        (torch.cuda.amp, "GradScaler", lambda **kw: torch.amp.GradScaler("cpu", **kw)),
+        (torch.cuda.amp, "autocast",
+         lambda enabled=True, **kw: torch.autocast("cpu", dtype=torch.float16, enabled=enabled)),
+    ]
+
+
+@pytest.fixture
+def cpu_half_precision(monkeypatch):
+    """:func:`cpu_half_precision_patches` for one test."""
+    for owner, name, value in cpu_half_precision_patches():
+        monkeypatch.setattr(owner, name, value)
 
 
 def overflow_scales(result):

@@ -100,24 +100,30 @@ def test_stock_adam_overflows_for_real(toy_data, tmp_path, fs, cpu_half_precisio
     assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) / 3 < losses[0] - 0.5
 
 
-_ADAM_RUNS = {}  # mode -> stock adam's run (the same harness, run once per mode)
+_ADAM_RUNS = {}  # (mode, extra flags) -> stock adam's run (the same harness, run once per mode)
 
 
 def _last_loss(run):
     return sum(run.losses()[-3:]) / 3
 
 
-@pytest.mark.parametrize("optimizer", ["vasso", "sam"])
-@pytest.mark.parametrize("mode", list(PRECISION_MODES))
-def test_overflows_handled_as_stock_adam(toy_data, tmp_path, fs, cpu_half_precision, mode, optimizer):
+ACCUMULATE_AND_CLIP = ("--update-freq", "2", "--clip-norm", "0.5")
+
+
+@pytest.mark.parametrize("mode, optimizer, extra", [
+    *[(mode, optimizer, ()) for mode in PRECISION_MODES for optimizer in ("vasso", "sam")],
+    ("amp", "vasso", ACCUMULATE_AND_CLIP),
+    ("fp16", "sam", ACCUMULATE_AND_CLIP),
+])
+def test_overflows_handled_as_stock_adam(toy_data, tmp_path, fs, cpu_half_precision, mode, optimizer, extra):
     """--optimizer vasso|sam in each loss-scaled mode, with real overflows, beside stock
-    adam in the same harness: every overflow skips the update and backs the scale off
-    once, logged by fairseq's own lines; the model learns as adam's does; the
-    diagnostics are those of a two-pass step at rho 0.1."""
-    if mode not in _ADAM_RUNS:
-        _ADAM_RUNS[mode] = overflow_run(fs, toy_data, tmp_path / "adam", mode, "adam")
-    adam = _ADAM_RUNS[mode]
-    run = overflow_run(fs, toy_data, tmp_path / optimizer, mode, optimizer)
+    adam in the same harness (also with --update-freq and --clip-norm): every overflow
+    skips the update and backs the scale off once, logged by fairseq's own lines; the
+    model learns as adam's does; the diagnostics are those of a two-pass step at rho 0.1."""
+    if (mode, extra) not in _ADAM_RUNS:
+        _ADAM_RUNS[mode, extra] = overflow_run(fs, toy_data, tmp_path / "adam", mode, "adam", extra)
+    adam = _ADAM_RUNS[mode, extra]
+    run = overflow_run(fs, toy_data, tmp_path / optimizer, mode, optimizer, extra)
     pairs, last = scale_history(fs, run)
     burst = fs.overflow_scales(first_burst(run))
     assert burst == fs.overflow_scales(first_burst(adam))  # x_0, the same first batch: the same overflows
@@ -287,6 +293,43 @@ def test_real_overflow_on_second_pass(toy_data, tmp_path, fs, cpu_half_precision
     inner.optimizer.state_dict()  # no step in flight
     _set_scale(trainer.optimizer, 128.0)
     assert trainer.train_step(samples) is not None and trainer.get_num_updates() == 2
+
+
+def _gradient_at_base_step(optimizer):
+    """Record the global norm of ``.grad`` each time ``optimizer`` (a torch optimizer) steps."""
+    seen = []
+    stock = optimizer.step
+
+    def step(*args, **kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        return stock(*args, **kwargs)
+
+    optimizer.step = step
+    return seen
+
+
+@pytest.mark.parametrize("optimizer", ["vasso", "sam", "adam"])
+def test_amp_unscales_once_where_stock_adam_unscales_twice(toy_data, tmp_path, fs, cpu_half_precision,
+                                                           optimizer):
+    """--amp --clip-norm 0.5: the gradient that reaches the base Adam's step.  fairseq's
+    AMPOptimizer.clip_grad_norm unscales (scaler.unscale_ of the torch optimizer) and clips
+    to 0.5.  Ours then steps with that gradient: unscaled exactly once.  Stock fairseq 0.12
+    (--optimizer adam) hands scaler.step its fairseq wrapper, another object, so the
+    GradScaler unscales again: Adam gets the clipped gradient divided by the scale (128)."""
+    trainer, samples = _mode_trainer(fs, toy_data, tmp_path, "amp", optimizer, ["--clip-norm", "0.5"])
+    torch_optimizer = _inner(trainer.optimizer).optimizer
+    seen = _gradient_at_base_step(getattr(torch_optimizer, "base_optimizer", torch_optimizer))
+    norms = []
+    stock_clip = trainer.clip_grad_norm
+    trainer.clip_grad_norm = lambda max_norm: norms.append(float(stock_clip(max_norm))) or torch.tensor(norms[-1])
+    for _ in range(3):
+        assert trainer.train_step(samples) is not None
+    scale = _scale(trainer.optimizer)
+    assert scale == 128.0 and len(seen) == len(norms) == 3
+    assert all(n > 0.5 for n in norms)  # every update was clipped
+    expected = 0.5 if optimizer != "adam" else 0.5 / scale
+    assert seen == pytest.approx([expected] * 3, rel=1e-4), (seen, norms)
 
 
 class _NoNanDetector:
