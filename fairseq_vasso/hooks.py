@@ -4,8 +4,8 @@
 fairseq's optimizer never sees a closure or a sample: ``Trainer.train_step`` runs
 ``task.train_step`` (forward/backward) per micro-batch of ``--update-freq``, then
 all-reduces the gradients over ranks, multiplies them by ``world_size /
-sample_size`` (and by 1/loss_scale under ``--fp16``), clips them, checks for
-overflow and calls ``optimizer.step()``.  Importing this module (the user-dir does)
+sample_size`` (and by 1/loss_scale under ``--fp16``; ``--amp`` unscales while it
+clips), clips them, checks for overflow and calls ``optimizer.step()``.  Importing this module (the user-dir does)
 patches:
 
 * ``fairseq.options.parse_args_and_arch``, once: with ``--optimizer sam|vasso`` it
@@ -17,7 +17,7 @@ patches:
   command line (``fairseq-hydra-train``).
 * ``train_step``: with any other optimizer it calls fairseq's own ``train_step``
   and nothing else.  With ``sam`` / ``vasso`` it runs fairseq's own ``train_step``
-  too, with two instance-level wrappers that are removed afterwards:
+  too, with instance-level wrappers that are removed afterwards:
 
   1. ``task.train_step`` is wrapped to record each micro-batch call (the prepared
      sample, ``ignore_grad``, extra arguments), the RNG state before the first
@@ -25,11 +25,13 @@ patches:
   2. ``optimizer.multiply_grads`` is wrapped: fairseq calls it once per update,
      after the first pass's gradients were accumulated over all micro-batches and
      all-reduced over ranks.  After fairseq's own scaling, the wrapper holds g_t
-     (under ``--fp16`` it unscales into the fp32 master gradients), and:
+     (``--fp16`` / ``--memory-efficient-fp16``: it applies fairseq's pending
+     1/loss_scale, into the fp32 master gradients, flat or not, or the fp16 ones;
+     ``--amp``: the core unscales g_t with the GradScaler's scale), and:
 
      - g_t not finite: nothing changes (no perturbation, d_t untouched); fairseq's
        own clip/overflow check then sees the same gradient: fp32 raises fairseq's
-       FloatingPointError, fp16 lowers the loss scale and skips the update.
+       FloatingPointError, a loss scaler lowers the scale and skips the update.
      - ``perturb()``: VASSO updates d_t, the coin (eSAM/eVASSO) is drawn from
        ``(--seed, step)``.  If it says "one pass", ``.grad`` still holds g_t and
        fairseq continues as usual (clip, step with g_t).
@@ -42,10 +44,18 @@ patches:
        scaling factor are applied: ``.grad`` holds h_t, exactly as fairseq would
        have left the first pass's gradient.
 
-  fairseq's own code then clips h_t (``--clip-norm``), checks it (fp16 overflow:
-  the loss scale falls and the update is skipped; we put x_t back), and calls
+  3. ``optimizer.step`` is wrapped to note whether the base step was taken; under
+     ``--amp`` it replaces AMPOptimizer's ``scaler.step(self.fp32_optimizer)``
+     (another object than the torch optimizer its ``clip_grad_norm`` unscaled, so
+     the GradScaler would unscale h_t twice) by ``scaler.step`` on the core, then
+     ``scaler.update()`` once.
+
+  fairseq's own code then clips h_t (``--clip-norm``), checks it (overflow: the
+  loss scale falls and the update is skipped; x_t comes back bit for bit), and calls
   ``optimizer.step()``, which restores x_t and lets Adam step with h_t.  The lr
-  is whatever fairseq's scheduler (e.g. ``inverse_sqrt``) set.
+  is whatever fairseq's scheduler (e.g. ``inverse_sqrt``) set.  ``--amp`` retries
+  an overflowed batch by calling ``train_step`` from inside it: the wrappers of
+  the retry wrap fairseq's own methods, not ours.
 
 After the update the diagnostics are logged with ``fairseq.logging.metrics`` in
 the aggregation context of the step (``train_inner`` and ``train``), so every
@@ -54,7 +64,9 @@ interval: ``ascent_norm`` ||eps_t||, ``loss_gap`` f(x+eps) - f(x) (the logged lo
 units, base 2, over the whole update), ``sharpness`` rho*||v_t|| (the paper's
 estimated sharpness), ``stability`` ||eps_t - eps_{t-1}|| (paper Fig. 4),
 ``two_pass`` (fraction of two-pass updates) and ``rho``.  Quantities that do not
-exist for an update (no second pass: no eps_t) are logged with weight 0.
+exist for an update (no second pass: no eps_t) are logged with weight 0.  Values
+the core left on the device are logged as they are; fairseq reads them when it
+prints, at its own log interval, as it does for its loss.
 """
 
 from __future__ import annotations
