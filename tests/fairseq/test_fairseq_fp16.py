@@ -428,10 +428,11 @@ def test_unsupported_modes_are_refused(toy_data, tmp_path, fs, flags, named, cap
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fp16_end_to_end_on_cuda(toy_data, tmp_path, fs):
-    """On a GPU: real fp16 (flattening refused, per-parameter masters) and overflow."""
+@pytest.mark.parametrize("mode", list(UNIT_MODES))
+def test_mixed_precision_end_to_end_on_cuda(toy_data, tmp_path, fs, mode):
+    """On a GPU, nothing patched: each mode from a scale that overflows, with vasso."""
     base = [a for a in fs.model_args(toy_data, tmp_path / "x", extra=["--rho", "0.1", "--no-save"]) if a != "--cpu"]
-    run = fs.train(base + FP16 + ["--fp16-init-scale", str(2 ** 40), "--fp16-scale-window", "2"])
+    run = fs.train(base + UNIT_MODES[mode] + ["--fp16-init-scale", str(2 ** 40), "--fp16-scale-window", "2"])
     scales = [float(s["loss_scale"]) for s in run.inner()]
-    assert scales and scales[-1] < 2 ** 40  # overflows happened and the scale fell
-    assert all(math.isfinite(l) for l in run.losses())
+    assert fs.overflow_scales(run) and scales and scales[-1] < 2 ** 40  # overflows happened, the scale fell
+    assert all(math.isfinite(x) for x in run.losses())
