@@ -323,15 +323,16 @@ def _gradient_at_base_step(optimizer):
     return seen
 
 
-@pytest.mark.parametrize("optimizer", ["vasso", "sam", "adam"])
+@pytest.mark.parametrize("optimizer, extra", [("vasso", ()), ("sam", ()), ("adam", ()),
+                                             ("vasso", ("--perturb-prob", "0"))])  # eVASSO's one-pass steps
 def test_amp_unscales_once_where_stock_adam_unscales_twice(toy_data, tmp_path, fs, cpu_half_precision,
-                                                           optimizer):
+                                                           optimizer, extra):
     """--amp --clip-norm 0.5: the gradient that reaches the base Adam's step.  fairseq's
     AMPOptimizer.clip_grad_norm unscales (scaler.unscale_ of the torch optimizer) and clips
     to 0.5.  Ours then steps with that gradient: unscaled exactly once.  Stock fairseq 0.12
     (--optimizer adam) hands scaler.step its fairseq wrapper, another object, so the
     GradScaler unscales again: Adam gets the clipped gradient divided by the scale (128)."""
-    trainer, samples = _mode_trainer(fs, toy_data, tmp_path, "amp", optimizer, ["--clip-norm", "0.5"])
+    trainer, samples = _mode_trainer(fs, toy_data, tmp_path, "amp", optimizer, ["--clip-norm", "0.5", *extra])
     torch_optimizer = _inner(trainer.optimizer).optimizer
     seen = _gradient_at_base_step(getattr(torch_optimizer, "base_optimizer", torch_optimizer))
     norms = []
