@@ -313,6 +313,12 @@ COMMANDS = classified(
         check=".venv/bin/torchrun --nnodes 2 --nproc-per-node 8 --help && .venv/bin/fairseq-train "
               "--user-dir fairseq_vasso --distributed-world-size 16 --optimizer vasso --rho 0.1 "
               "--theta 0.4 --help", expect=("--nproc-per-node", "--theta"))),
+    (".venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso --optimizer vasso "
+     "--rho 0.1 --theta 0.4 --amp ...", check_only(
+        "a GPU run ('...': the rest of the flags; fairseq's --amp needs CUDA, tests/fairseq runs it on a CPU "
+        "scaler): fairseq-train parses its flags",
+        check=".venv/bin/fairseq-train --user-dir fairseq_vasso --optimizer vasso --rho 0.1 --theta 0.4 --amp --help",
+        expect=("--theta",))),
     (".venv/bin/python -c 'import fairseq_vasso, os; print(os.path.dirname(fairseq_vasso.__file__))'",
      run(expect=("fairseq_vasso",))),
     (".venv/bin/python -m pytest -q tests/fairseq", check_only(
