@@ -510,7 +510,7 @@ def _log_diagnostics(sa, ctx):
     the device stay tensors: fairseq reads them (one host sync per log line) when it
     prints, at its own log interval, as it does for its loss."""
     diag = sa.last_diagnostics
-    raw = getattr(diag, "_values", diag)  # the core's lazy Diagnostics: its unread values
+    raw = diag.unread() if hasattr(diag, "unread") else diag  # the core's lazy Diagnostics, unread
     two_pass = float(raw.get("two_pass", 0.0))
     values = {
         "ascent_norm": raw.get("ascent_norm", float("nan")),

@@ -875,6 +875,12 @@ class Diagnostics(MutableMapping):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({dict(self)!r})"
 
+    def unread(self) -> Dict[str, Any]:
+        """The values as they are, without a host sync: floats, and 0-dim device tensors
+        nobody has read yet (for a host that logs them and reads them at its own log
+        point, as fairseq's meters do)."""
+        return dict(self._values)
+
     def _read_all(self) -> None:
         lazy = [k for k, v in self._values.items() if torch.is_tensor(v)]
         for device in {self._values[k].device for k in lazy}:
