@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from plugins import SAM as _SAMOptimizer
 from plugins import VASSO as _VASSOOptimizer
-from plugins.perturbation import rng_state
+from plugins import rng_state
 
 from . import hparams as _hp
 

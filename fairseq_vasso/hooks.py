@@ -4,8 +4,8 @@
 fairseq's optimizer never sees a closure or a sample: ``Trainer.train_step`` runs
 ``task.train_step`` (forward/backward) per micro-batch of ``--update-freq``, then
 all-reduces the gradients over ranks, multiplies them by ``world_size /
-sample_size`` (and by 1/loss_scale under ``--fp16``), clips them, checks for
-overflow and calls ``optimizer.step()``.  Importing this module (the user-dir does)
+sample_size`` (and by 1/loss_scale under ``--fp16``; ``--amp`` unscales while it
+clips), clips them, checks for overflow and calls ``optimizer.step()``.  Importing this module (the user-dir does)
 patches:
 
 * ``fairseq.options.parse_args_and_arch``, once: with ``--optimizer sam|vasso`` it
@@ -17,7 +17,7 @@ patches:
   command line (``fairseq-hydra-train``).
 * ``train_step``: with any other optimizer it calls fairseq's own ``train_step``
   and nothing else.  With ``sam`` / ``vasso`` it runs fairseq's own ``train_step``
-  too, with two instance-level wrappers that are removed afterwards:
+  too, with instance-level wrappers that are removed afterwards:
 
   1. ``task.train_step`` is wrapped to record each micro-batch call (the prepared
      sample, ``ignore_grad``, extra arguments), the RNG state before the first
@@ -25,11 +25,13 @@ patches:
   2. ``optimizer.multiply_grads`` is wrapped: fairseq calls it once per update,
      after the first pass's gradients were accumulated over all micro-batches and
      all-reduced over ranks.  After fairseq's own scaling, the wrapper holds g_t
-     (under ``--fp16`` it unscales into the fp32 master gradients), and:
+     (``--fp16`` / ``--memory-efficient-fp16``: it applies fairseq's pending
+     1/loss_scale, into the fp32 master gradients, flat or not, or the fp16 ones;
+     ``--amp``: the core unscales g_t with the GradScaler's scale), and:
 
      - g_t not finite: nothing changes (no perturbation, d_t untouched); fairseq's
        own clip/overflow check then sees the same gradient: fp32 raises fairseq's
-       FloatingPointError, fp16 lowers the loss scale and skips the update.
+       FloatingPointError, a loss scaler lowers the scale and skips the update.
      - ``perturb()``: VASSO updates d_t, the coin (eSAM/eVASSO) is drawn from
        ``(--seed, step)``.  If it says "one pass", ``.grad`` still holds g_t and
        fairseq continues as usual (clip, step with g_t).
@@ -42,10 +44,18 @@ patches:
        scaling factor are applied: ``.grad`` holds h_t, exactly as fairseq would
        have left the first pass's gradient.
 
-  fairseq's own code then clips h_t (``--clip-norm``), checks it (fp16 overflow:
-  the loss scale falls and the update is skipped; we put x_t back), and calls
+  3. ``optimizer.step`` is wrapped to note whether the base step was taken; under
+     ``--amp`` it replaces AMPOptimizer's ``scaler.step(self.fp32_optimizer)``
+     (another object than the torch optimizer its ``clip_grad_norm`` unscaled, so
+     the GradScaler would unscale h_t twice) by ``scaler.step`` on the core, then
+     ``scaler.update()`` once.
+
+  fairseq's own code then clips h_t (``--clip-norm``), checks it (overflow: the
+  loss scale falls and the update is skipped; x_t comes back bit for bit), and calls
   ``optimizer.step()``, which restores x_t and lets Adam step with h_t.  The lr
-  is whatever fairseq's scheduler (e.g. ``inverse_sqrt``) set.
+  is whatever fairseq's scheduler (e.g. ``inverse_sqrt``) set.  ``--amp`` retries
+  an overflowed batch by calling ``train_step`` from inside it: the wrappers of
+  the retry wrap fairseq's own methods, not ours.
 
 After the update the diagnostics are logged with ``fairseq.logging.metrics`` in
 the aggregation context of the step (``train_inner`` and ``train``), so every
@@ -54,7 +64,9 @@ interval: ``ascent_norm`` ||eps_t||, ``loss_gap`` f(x+eps) - f(x) (the logged lo
 units, base 2, over the whole update), ``sharpness`` rho*||v_t|| (the paper's
 estimated sharpness), ``stability`` ||eps_t - eps_{t-1}|| (paper Fig. 4),
 ``two_pass`` (fraction of two-pass updates) and ``rho``.  Quantities that do not
-exist for an update (no second pass: no eps_t) are logged with weight 0.
+exist for an update (no second pass: no eps_t) are logged with weight 0.  Values
+the core left on the device are logged as they are; fairseq reads them when it
+prints, at its own log interval, as it does for its loss.
 """
 
 from __future__ import annotations
@@ -89,6 +101,8 @@ FAIRSEQ_INTERNALS = (
     ("fairseq.optim.fairseq_optimizer", "FairseqOptimizer.all_reduce_grads"),
     ("fairseq.optim.fp16_optimizer", "FP16Optimizer._unscale_grads"),
     ("fairseq.optim.fp16_optimizer", "FP16Optimizer._sync_fp32_params_to_fp16"),
+    ("fairseq.optim.fp16_optimizer", "MemoryEfficientFP16Optimizer._unscale_grads"),
+    ("fairseq.optim.amp_optimizer", "AMPOptimizer.scaler"),
     ("fairseq.logging.metrics", "aggregate"),
     ("fairseq.logging.metrics", "log_scalar"),
     ("fairseq.distributed.utils", "all_reduce"),
@@ -139,6 +153,7 @@ except FairseqVersionError as exc:
 
 from fairseq import options, utils  # noqa: E402
 from fairseq.logging import metrics  # noqa: E402
+from fairseq.optim import AMPOptimizer, FP16Optimizer, MemoryEfficientFP16Optimizer  # noqa: E402
 from fairseq.trainer import Trainer  # noqa: E402
 
 from plugins import rng_state  # noqa: E402
@@ -211,18 +226,15 @@ def check_config(cfg) -> None:
         refuse("--ddp-backend slowmo", "SlowMo changes the parameters outside the optimizer step")
     if _setting(cfg, "distributed_training.zero_sharding", "none") not in ("none", None):
         refuse("--zero-sharding", "the sharded optimizer state would split d_t and the ascent norm")
-    if _setting(cfg, "common.memory_efficient_fp16", False) or _setting(cfg, "common.memory_efficient_bf16", False):
-        refuse("--memory-efficient-fp16/--memory-efficient-bf16",
-               "it keeps no fp32 master copy to perturb and restore exactly; use --fp16 "
-               "--fp16-no-flatten-grads")
-    if _setting(cfg, "common.amp", False):
-        refuse("--amp", "torch's GradScaler unscales once per step, the two-pass step needs two; "
-                        "use --fp16 --fp16-no-flatten-grads")
-    if _setting(cfg, "common.bf16", False):
-        refuse("--bf16", "fairseq runs --bf16 on TPUs only (it implies --tpu), which is not tested here")
-    if _setting(cfg, "common.fp16", False) and not _setting(cfg, "common.fp16_no_flatten_grads", False):
-        refuse("--fp16 without --fp16-no-flatten-grads",
-               "the ascent works on per-parameter fp32 master copies; add --fp16-no-flatten-grads")
+    if _setting(cfg, "common.bf16", False) or _setting(cfg, "common.memory_efficient_bf16", False):
+        refuse("--bf16", "fairseq 0.12 runs bf16 (and --memory-efficient-bf16) on TPUs only (it implies --tpu), "
+                         "which is not tested here; use --amp or --fp16 on GPUs")
+    flat_fp16 = (_setting(cfg, "common.fp16", False) and not _setting(cfg, "common.memory_efficient_fp16", False)
+                 and not _setting(cfg, "common.fp16_no_flatten_grads", False))
+    if flat_fp16 and _setting(cfg, "optimizer.adaptive", False):
+        refuse("--adaptive with flattened --fp16", "ASAM scales weight tensors and leaves biases alone, and "
+                                                   "fairseq's one flat fp32 master vector no longer tells them "
+                                                   "apart; add --fp16-no-flatten-grads, or use --amp")
     if _setting(cfg, "common.tpu", False):
         refuse("--tpu", "not tested on XLA")
     if (_setting(cfg, "common.model_parallel_size", 1) or 1) > 1:
@@ -272,7 +284,7 @@ def _patched_parse_args_and_arch(parser, input_args=None, *args, **kwargs):
 
 def _sharpness_optimizer(trainer):
     opt = trainer.optimizer  # builds it on first use, as fairseq's own train_step does
-    inner = getattr(opt, "fp32_optimizer", opt)
+    inner = getattr(opt, "fp32_optimizer", None) or getattr(opt, "wrapped_optimizer", opt)
     return inner if isinstance(inner, FairseqSharpnessAware) else None
 
 
@@ -294,16 +306,30 @@ def _patched_train_step(self, samples, raise_oom=False):
 class _StepContext:
     def __init__(self):
         self.calls = []  # (args, kwargs) of task.train_step, first pass
-        self.first_losses = []  # float loss per micro-batch (None for dummy batches)
+        self.first_losses = []  # loss per micro-batch (None for dummy batches)
         self.rng = None
         self.multiplied = False
-        self.perturbed = False  # perturb() moved the parameters this update
+        self.step_taken = False  # this update's base step was taken
         self.loss_gap = float("nan")
 
 
-def _fp16_wrapper(trainer):
+def _loss_scaled(trainer):
+    """fairseq's --fp16 or --memory-efficient-fp16 wrapper (DynamicLossScaler) around
+    ours, else None."""
     opt = trainer.optimizer
-    return opt if hasattr(opt, "fp32_optimizer") else None
+    return opt if isinstance(opt, (FP16Optimizer, MemoryEfficientFP16Optimizer)) else None
+
+
+def _fp32_masters(trainer):
+    """fairseq's --fp16 wrapper (fp32 master params, flat or not) around ours, else None."""
+    opt = trainer.optimizer
+    return opt if isinstance(opt, FP16Optimizer) else None
+
+
+def _amp(trainer):
+    """fairseq's --amp wrapper (a torch GradScaler) around ours, else None."""
+    opt = trainer.optimizer
+    return opt if isinstance(opt, AMPOptimizer) else None
 
 
 def _grads_finite(params) -> bool:
@@ -311,20 +337,47 @@ def _grads_finite(params) -> bool:
 
 
 def _loss_value(logging_output):
+    """The micro-batch's loss, kept on its device (no host sync; read at the log point)."""
     value = logging_output.get("loss") if isinstance(logging_output, dict) else None
     if value is None:
         return None
-    return float(value)
+    return value.detach().double() if torch.is_tensor(value) else float(value)
+
+
+def _unpatched(fn):
+    """fairseq's own bound method under one of our step-scoped wrappers: fairseq's --amp
+    retries an overflowed batch by calling ``train_step`` again from inside it."""
+    return getattr(fn, "_fairseq_vasso_stock", fn)
+
+
+@contextlib.contextmanager
+def _instance_patches(patches):
+    """Set ``(obj, name, value)`` as instance attributes for the block, then put back
+    what was there (an outer step's wrapper) or delete them."""
+    saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, old in saved:
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+_MISSING = object()
 
 
 def _two_pass_train_step(trainer, sa, samples, raise_oom):
     ctx = _StepContext()
     task = trainer.task
     opt = trainer.optimizer
-    had_task_attr = "train_step" in vars(task)
-    had_opt_attr = "multiply_grads" in vars(opt)
-    stock_task_step = task.train_step
-    stock_multiply = opt.multiply_grads
+    amp = _amp(trainer)
+    stock_task_step = _unpatched(task.train_step)
+    stock_multiply = _unpatched(opt.multiply_grads)
+    stock_step = _unpatched(opt.step)
 
     def recording_task_step(*args, **kwargs):
         if not ctx.calls:
@@ -342,27 +395,39 @@ def _two_pass_train_step(trainer, sa, samples, raise_oom):
         ctx.multiplied = True
         _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c)
 
-    task.train_step = recording_task_step
-    opt.multiply_grads = multiply_then_second_pass
+    def step(*args, **kwargs):
+        if amp is not None:
+            # AMPOptimizer.step would run scaler.step(self.fp32_optimizer): the fairseq wrapper,
+            # not the torch optimizer that its clip_grad_norm unscaled, so GradScaler would
+            # unscale h_t a second time.  Ours goes to the core, which the scaler has unscaled
+            # once (clip_grad_norm) and whose overflow verdict it holds; then one update().
+            sa.scaler_step(amp.scaler)
+            amp.scaler.update()
+        else:
+            stock_step(*args, **kwargs)
+        ctx.step_taken = sa.last_step_taken
+
+    recording_task_step._fairseq_vasso_stock = stock_task_step
+    multiply_then_second_pass._fairseq_vasso_stock = stock_multiply
+    step._fairseq_vasso_stock = stock_step
+    patches = [(task, "train_step", recording_task_step), (opt, "multiply_grads", multiply_then_second_pass),
+               (opt, "step", step)]
+    if amp is not None:
+        # AMPOptimizer.state_dict reads the core directly; fairseq saves crash.pt after a
+        # FloatingPointError (minimum loss scale), possibly mid-step: ours drops the step first
+        patches.append((opt, "state_dict", sa.state_dict))
     try:
-        out = _stock_train_step(trainer, samples, raise_oom)
+        with _instance_patches(patches):
+            out = _stock_train_step(trainer, samples, raise_oom)
     finally:
-        if had_task_attr:
-            task.train_step = stock_task_step
-        else:
-            del task.train_step
-        if had_opt_attr:
-            opt.multiply_grads = stock_multiply
-        else:
-            del opt.multiply_grads
-        if ctx.perturbed and not sa.last_step_taken:
-            # the update was skipped (fp16 overflow on the second pass) or failed: back to x_t
-            # (the core may have done so already; abandon() is idempotent), also in the fp16 model
+        if sa.in_flight:
+            # the update was skipped (fp16 overflow) or failed: back to x_t (the core may
+            # have done so already; abandon() is idempotent), also in the fp16 model
             sa.abandon()
-            fp16 = _fp16_wrapper(trainer)
-            if fp16 is not None:
-                fp16._sync_fp32_params_to_fp16()
-    if sa.last_step_taken:
+            masters = _fp32_masters(trainer)
+            if masters is not None:
+                masters._sync_fp32_params_to_fp16()
+    if ctx.step_taken:
         # the aggregation context of fairseq's own train_step stats (decorated with
         # metrics.aggregate("train")), plus whatever the caller has active ("train_inner")
         with metrics.aggregate("train"):
@@ -378,19 +443,27 @@ def _maybe_no_sync(trainer, i, n):
 
 
 def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c):
-    fp16 = _fp16_wrapper(trainer)
-    if fp16 is not None:
-        # g_t into the fp32 master gradients, with fairseq's pending factor (1/loss_scale * c)
-        fp16._unscale_grads()
-    params = list(sa.params)
-    if not _grads_finite(params):
-        # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
-        return
-    if not sa.perturb():
-        return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
-    ctx.perturbed = True
-    if fp16 is not None:
-        fp16._sync_fp32_params_to_fp16()
+    amp = _amp(trainer)
+    if amp is not None:
+        # --amp: .grad holds g_t times the GradScaler's scale; the core computes with the
+        # unscaled g_t and, on an overflow, leaves the verdict to the scaler (fairseq's
+        # clip_grad_norm unscales and sees it, AMPOptimizer logs it, the step is skipped)
+        if not sa.perturb(scaler=amp.scaler):
+            return  # overflow, or a one-pass update: .grad still holds the scaled g_t
+    else:
+        scaled = _loss_scaled(trainer)
+        if scaled is not None:
+            # g_t: fairseq's pending factor 1/loss_scale * c applied (--fp16: into the fp32 master
+            # gradients, flat or not; --memory-efficient-fp16: to the fp16 gradients, as its step does)
+            scaled._unscale_grads()
+        if not _grads_finite(list(sa.params)):
+            # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
+            return
+        if not sa.perturb():
+            return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
+    masters = _fp32_masters(trainer)
+    if masters is not None:  # the fp32 masters moved: the fp16 model runs the second pass
+        masters._sync_fp32_params_to_fp16()
     trainer.zero_grad()
     second_losses = []
     n = len(ctx.calls)
@@ -410,39 +483,46 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
 
 def _loss_gap(trainer, first, second, c):
     """f_B(x + eps) - f_B(x) over the whole update (all micro-batches and ranks), in
-    the units fairseq logs ``loss`` in (sum / sample_size / ln 2)."""
+    the units fairseq logs ``loss`` in (sum / sample_size / ln 2); a device tensor when
+    fairseq's losses are (read at the log point)."""
     pairs = [(a, b) for a, b in zip(first, second) if a is not None and b is not None]
-    local = sum(b - a for a, b in pairs) if pairs else 0.0
-    total = local
+    total = sum((b - a for a, b in pairs), 0.0)
     if trainer.data_parallel_world_size > 1:
         from fairseq.distributed import utils as distributed_utils
 
-        t = torch.tensor([local], dtype=torch.float64, device=trainer.device)
-        t = distributed_utils.all_reduce(t, group=trainer.data_parallel_process_group)
-        total = float(t.item())
-    c = float(c)
+        t = torch.as_tensor(total, dtype=torch.float64).reshape(1).to(trainer.device)
+        total = distributed_utils.all_reduce(t, group=trainer.data_parallel_process_group)[0]
     # c == world_size / sample_size (fairseq's multiply_grads factor)
-    if not math.isfinite(c) or c == 0.0:
+    if not torch.is_tensor(c) and (not math.isfinite(c) or c == 0.0):
         return float("nan")
     sample_size = trainer.data_parallel_world_size / c
     return total / sample_size / math.log(2)
 
 
+def _finite_on_host(value) -> bool:
+    """False only for a non-finite Python float: device tensors stay unread (they are
+    finite whenever the step was taken: it was checked on g_t and h_t)."""
+    return torch.is_tensor(value) or math.isfinite(value)
+
+
 def _log_diagnostics(sa, ctx):
+    """Log this update's diagnostics into fairseq's meters.  Values the core left on
+    the device stay tensors: fairseq reads them (one host sync per log line) when it
+    prints, at its own log interval, as it does for its loss."""
     diag = sa.last_diagnostics
-    two_pass = float(diag.get("two_pass", 0.0))
+    raw = diag.unread() if hasattr(diag, "unread") else diag  # the core's lazy Diagnostics, unread
+    two_pass = float(raw.get("two_pass", 0.0))
     values = {
-        "ascent_norm": diag.get("ascent_norm", float("nan")),
+        "ascent_norm": raw.get("ascent_norm", float("nan")),
         "loss_gap": ctx.loss_gap if two_pass else float("nan"),
-        "sharpness": diag.get("sharpness", float("nan")),
-        "stability": diag.get("stability", float("nan")),
+        "sharpness": raw.get("sharpness", float("nan")),
+        "stability": raw.get("stability", float("nan")),
     }
     for i, (key, value) in enumerate(values.items()):
-        value = float(value)
-        ok = two_pass > 0 and math.isfinite(value)
+        ok = two_pass > 0 and _finite_on_host(value)
         metrics.log_scalar(key, value if ok else float("nan"), weight=1 if ok else 0, priority=810 + i, round=5)
     metrics.log_scalar("two_pass", two_pass, weight=1, priority=815, round=3)
-    metrics.log_scalar("rho", float(diag.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
+    metrics.log_scalar("rho", float(raw.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
 
 
 # ------------------------------------------------------------------ installing

@@ -24,6 +24,7 @@ from typing import Any, List, Optional
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import Adam as _FairseqAdam
+import torch
 from omegaconf import II, OmegaConf
 
 from plugins import SAM, VASSO
@@ -85,6 +86,7 @@ class FairseqSAMConfig(FairseqDataclass):
     seed: int = II("common.seed")
     lr: List[float] = II("optimization.lr")
     fp16: bool = II("common.fp16")
+    amp: bool = II("common.amp")
 
 
 @dataclass
@@ -163,11 +165,13 @@ class FairseqSharpnessAware(FairseqOptimizer):
         super().__init__(cfg)
         knobs = check_flags(cfg)  # the same checks again for configs that bypass argparse (hydra)
         lr = self.optimizer_config["lr"]
-        # --fp16: these are fp32 master copies; restore them from a copy, bit for bit (the
-        # plain-geometry restore subtracts the ascent again, exact only up to one rounding)
-        exact = bool(_get(cfg, "fp16", False))
+        # --fp16 / --amp: a loss scaler skips overflowed updates routinely; restore x_t from a
+        # copy, bit for bit (the plain-geometry restore subtracts the ascent again, exact only
+        # up to one rounding).  fp16 params (--memory-efficient-fp16): the core always does.
+        exact = bool(_get(cfg, "fp16", False)) or bool(_get(cfg, "amp", False))
         self._optimizer = self.core_class(params, _FairseqAdam, seed=int(self.cfg.seed), lr_max=lr if lr > 0 else None,
                                           exact_restore=exact, **knobs, **self.optimizer_config)
+        self._optimizer.disable_mem_eff_fp16_loading_hack = True  # see _keep_fp32_moments
         self.last_step_taken = False
         self.last_diagnostics = {}
 
@@ -191,10 +195,13 @@ class FairseqSharpnessAware(FairseqOptimizer):
         """The core's: between ``perturb()`` and ``step()`` / ``abandon()``."""
         return self._optimizer.in_flight
 
-    def perturb(self) -> bool:
-        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``)."""
+    def perturb(self, scaler=None) -> bool:
+        """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``); under
+        ``--amp`` ``scaler`` is AMPOptimizer's GradScaler and g_t is scaled by it."""
         self.last_step_taken = False
-        return self._optimizer.perturb()
+        if scaler is None:
+            return self._optimizer.perturb()
+        return self._optimizer.perturb(scaler=scaler)
 
     def second_pass(self, model, rng):
         """The core's second-pass protocol (``plugins.SharpnessAware.second_pass``)."""
@@ -220,7 +227,14 @@ class FairseqSharpnessAware(FairseqOptimizer):
         if scale != 1.0:
             self.multiply_grads(1.0 / scale)
         self.last_step_taken = self._optimizer.descend()
-        self.last_diagnostics = dict(self._optimizer.diagnostics)
+        self.last_diagnostics = self._optimizer.diagnostics  # read when fairseq logs
+
+    def scaler_step(self, scaler) -> None:
+        """``--amp``: finish the step through ``scaler.step(core)``: the scaler hands the
+        core its overflow verdict (and the scale, unless ``scaler.unscale_(core)`` already
+        ran), so h_t is unscaled exactly once; an overflow skips the base step at x_t."""
+        self.last_step_taken = bool(scaler.step(self._optimizer))
+        self.last_diagnostics = self._optimizer.diagnostics
 
     # -------------------------------------------------------------- state
 
@@ -234,20 +248,35 @@ class FairseqSharpnessAware(FairseqOptimizer):
         # FP16Optimizer adds "loss_scale" beside our entries; the core does not want it
         own = {k: v for k, v in state_dict.items() if k in ("base_optimizer", "state", "sharpness")}
         self._optimizer.load_state_dict(own)
+        self._keep_fp32_moments(own["base_optimizer"]["state"])
         if optimizer_overrides is not None and len(optimizer_overrides) > 0:
             for group in self.param_groups:
                 group.update(optimizer_overrides)
+
+    def _keep_fp32_moments(self, saved_state):
+        """--memory-efficient-fp16: torch's ``load_state_dict`` casts the Adam moments to the
+        fp16 params' dtype; fairseq's Adam keeps them in fp32 (MemoryEfficientFP16Optimizer's
+        own fix-up expects a plain torch state dict, so ``disable_mem_eff_fp16_loading_hack``
+        turns it off for ours and this does the same job)."""
+        base = self._optimizer.base_optimizer
+        params = [p for group in base.param_groups for p in group["params"]]
+        for index, buffers in saved_state.items():
+            p = params[int(index)]
+            if p.dtype in (torch.float16, torch.bfloat16):
+                base.state[p] = {k: v.to(p.device).clone() if torch.is_tensor(v) else v for k, v in buffers.items()}
 
     # -------------------------------------------------------------- capabilities
 
     @property
     def supports_flat_params(self):
-        # --fp16 needs --fp16-no-flatten-grads (checked early by the trainer hooks)
-        return False
+        # --fp16's one flat fp32 master vector: every step is elementwise or global norms
+        # (ASAM's per-tensor T is not, and is refused there)
+        return True
 
     @property
     def supports_memory_efficient_fp16(self):
-        return False
+        # fp16 params: the core restores x_t from an anchor copy, the base Adam computes in fp32
+        return True
 
     @property
     def supports_step_with_scale(self):

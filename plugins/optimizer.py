@@ -45,6 +45,7 @@ import math
 import operator
 import warnings
 from collections import defaultdict
+from collections.abc import MutableMapping
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -53,7 +54,7 @@ from . import perturbation as P
 from .named_params import normalize_param_group, normalize_param_groups
 from .validation import Closure, Params, Range, check
 
-__all__ = ["SharpnessAware", "SAM", "VASSO"]
+__all__ = ["SharpnessAware", "SAM", "VASSO", "Diagnostics"]
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
 _PERSISTENT = ("slope", "previous_ascent")
@@ -131,6 +132,12 @@ class SharpnessAware(torch.optim.Optimizer):
         ...         torch.nn.functional.cross_entropy(model(x), y).backward()   # h_t
         >>> opt.descend()                      # back to x_t, base step with h_t
         True
+
+    Both APIs take a stock ``torch.amp.GradScaler``: ``opt.step(closure, scaler=scaler)``,
+    or ``opt.perturb(scaler=scaler)`` with ``scaler.step(opt)`` in place of
+    :meth:`descend`; ``g_t`` and ``h_t`` are unscaled exactly once, an overflow in
+    either pass skips the step (``docs/mixed_precision.md``).  ``opt.diagnostics``
+    turns its device values into floats when first read (:class:`Diagnostics`).
     """
 
     def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
@@ -182,7 +189,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self.lr_max = check("lr_max", lr_max)
 
         self.in_second_pass = False
-        self.diagnostics: Dict[str, float] = self._empty_diagnostics()
+        self.diagnostics: Diagnostics = self._empty_diagnostics()
         self._step = 0
         self._nonfinite_steps = 0
         self._previous: Optional[Dict[str, float]] = None  # norms of the last applied ascent
@@ -201,9 +208,9 @@ class SharpnessAware(torch.optim.Optimizer):
             super().add_param_group(param_group)
 
     @staticmethod
-    def _empty_diagnostics() -> Dict[str, float]:
-        return {"two_pass": 0.0, "ascent_norm": _NAN, "sharpness": _NAN, "stability": _NAN,
-                "loss_gap": _NAN, "nonfinite": 0.0, "rho": _NAN}
+    def _empty_diagnostics() -> "Diagnostics":
+        return Diagnostics({"two_pass": 0.0, "ascent_norm": _NAN, "sharpness": _NAN, "stability": _NAN,
+                            "loss_gap": _NAN, "nonfinite": 0.0, "rho": _NAN})
 
     # ------------------------------------------------------------------ rho
 
@@ -279,11 +286,15 @@ class SharpnessAware(torch.optim.Optimizer):
         lists.buffers[key] = out
         return out
 
-    def _warn_nonfinite(self, which: str) -> None:
+    def _skip_nonfinite(self, which: str, scaled: bool) -> None:
+        """Count a step skipped for a non-finite gradient; warn unless a loss scaler is
+        in charge (an overflow is then its routine signal to back the scale off)."""
         self._nonfinite_steps += 1
-        warnings.warn(f"{type(self).__name__}: non-finite {which} gradient at step {self._step}; "
-                      f"the step is skipped ({self._nonfinite_steps} skipped so far)", RuntimeWarning,
-                      stacklevel=3)
+        self.diagnostics["nonfinite"] = 1.0
+        if not scaled:
+            warnings.warn(f"{type(self).__name__}: non-finite {which} gradient at step {self._step}; "
+                          f"the step is skipped ({self._nonfinite_steps} skipped so far)", RuntimeWarning,
+                          stacklevel=4)
 
     @property
     def nonfinite_steps(self) -> int:
@@ -303,7 +314,7 @@ class SharpnessAware(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the explicit API
 
     @torch.no_grad()
-    def perturb(self) -> bool:
+    def perturb(self, scaler=None) -> bool:
         """First half of a step: read ``g_t`` from ``.grad`` and move to ``x_t + eps_t``.
 
         Returns True when the caller must now clear the gradients and run the second
@@ -311,19 +322,28 @@ class SharpnessAware(torch.optim.Optimizer):
         :meth:`descend`.  Returns False when no second pass is wanted: the coin
         skipped it (``.grad`` still holds ``g_t``) or ``g_t`` was not finite (the
         step will be skipped); call :meth:`descend` all the same.
+
+        ``scaler``: the ``torch.amp.GradScaler`` the backward went through
+        (``scaler.scale(loss).backward()``).  ``g_t`` is unscaled on the device before
+        anything uses it, and the step is finished by ``scaler.step(opt)`` instead of
+        :meth:`descend` (``docs/mixed_precision.md``).  None or a disabled scaler: no scaling.
         """
         if self._pending is not None:
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
         rho = self.current_rho()  # may refuse: before anything moves
+        lists = self._step_lists()
+        params = lists.params
+        grads = [q.grad for q in params]
+        loss_scale = _loss_scale(scaler, grads)
+        scaled = loss_scale is not None
         step = self._step
         self._step += 1
         self.diagnostics = diag = self._empty_diagnostics()
         diag["rho"] = rho
-        lists = self._step_lists()
-        params = lists.params
-        grads = [q.grad for q in params]
         two_pass = len(params) > 0 and P.second_pass_coin(self.p, self.seed, step)
         vasso = self.theta is not None
+        if scaled and two_pass:  # the second backward overwrites .grad: unscale g_t where it is
+            P.unscale(grads, loss_scale, in_place=True)
         # The stability from scalars alone works where the previous ascent is
         # recoverable from what the slope buffer holds before this step writes it.
         scalar_stability = self.track_stability and not self.adaptive and (not vasso or self.p >= 1.0)
@@ -332,6 +352,7 @@ class SharpnessAware(torch.optim.Optimizer):
         # One reduction, one host sync: ||g_t|| (finiteness, SAM's ||v_t||), for the
         # scalar stability <g_t, v_last> (SAM: g of the last ascent; VASSO: d_{t-1}), and
         # VASSO's ||d_t|| from d_{t-1} and g_t before d_t is written (the ascent's scale).
+        # A step the coin skips with a scaler reads only the finiteness of the scaled g_t.
         slopes = lists.buffers.get("slope")
         terms = [(grads, None)]
         if want_inner and slopes is not None:
@@ -342,20 +363,23 @@ class SharpnessAware(torch.optim.Optimizer):
         values = P.reductions(terms, lists.plan).tolist() if params else [0.0]
         grad_norm = values[0]
         if not math.isfinite(grad_norm):
-            diag["nonfinite"] = 1.0
-            self._pending = {"kind": "nonfinite"}
-            self._warn_nonfinite("first-pass")
+            self._pending = {"kind": "nonfinite", "scaled": scaled}
+            self._skip_nonfinite("first-pass", scaled)
             return False
         inner_previous = None
         if want_inner:  # <g_t, v_last>, as VASSO's <d_t, d_{t-1}> further down
             inner_previous = values[1] if slopes is not None else self._inner_with_kept_slopes(params, grads)
 
-        slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
-                                                values[-1] if fused_norm else None)
+        if scaled and not two_pass and vasso:  # d_t needs g_t unscaled; .grad stays as the scaler left it
+            slopes, slope_norm = self._update_slope(lists, P.unscale(grads, loss_scale, in_place=False),
+                                                    grad_norm, two_pass, None)
+        else:
+            slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
+                                                    values[-1] if fused_norm else None)
         if vasso and inner_previous is not None:
             inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
         if not two_pass:
-            self._pending = {"kind": "first_gradient"}
+            self._pending = {"kind": "first_gradient", "lists": lists, "scaled": scaled}
             return False
 
         first_grads = None
@@ -371,6 +395,7 @@ class SharpnessAware(torch.optim.Optimizer):
             torch._foreach_copy_(anchors, params)
 
         eps, scale, ascent_norm, sharpness = self._ascend(lists, slopes, slope_norm, rho)
+        _moved_parameters()
         diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
         if self.track_stability:
             diag["stability"] = self._stability(lists, grads, slopes, eps, scale, ascent_norm, inner_previous,
@@ -378,7 +403,8 @@ class SharpnessAware(torch.optim.Optimizer):
         self._previous = {"rho": rho, "slope_norm": slope_norm, "ascent_norm": ascent_norm}
 
         self._pending = {"kind": "perturbed", "lists": lists, "slopes": slopes, "scale": scale,
-                         "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True}
+                         "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True,
+                         "scaled": scaled}
         return True
 
     def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
@@ -392,6 +418,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 torch._foreach_copy_(slopes, grads)
             return slopes, grad_norm
         # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
+        kept = None
         if slopes is None:  # new buffers start at d_0 = g_0
             fresh = {id(q) for q in lists.params if "slope" not in self.state[q]}
             slopes = self._buffers(lists, "slope", grads)
@@ -404,6 +431,8 @@ class SharpnessAware(torch.optim.Optimizer):
             return slopes, _NAN  # a skipped step needs no ||d_t||
         if fused_norm is not None:
             return slopes, fused_norm
+        if kept == [] and not lists.low_precision:  # every d_0 = g_0, copied exactly: ||d_0|| = ||g_0||
+            return slopes, grad_norm
         return slopes, float(P.global_norm(slopes, lists.plan))
 
     def _ascend(self, lists: "_StepLists", slopes: List[torch.Tensor], slope_norm: float, rho: float):
@@ -416,11 +445,14 @@ class SharpnessAware(torch.optim.Optimizer):
             return None, scale, P.plain_ascent_norm(rho, slope_norm), P.estimated_sharpness(rho, slope_norm)
         eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta)
         torch._foreach_add_(params, eps)
-        return eps, None, float(P.global_norm(eps, lists.plan)), P.estimated_sharpness(rho, scaled_norm)
+        # device tensors: the diagnostics read them lazily (no host sync here)
+        return eps, None, P.global_norm(eps, lists.plan), P.estimated_sharpness(rho, scaled_norm)
 
-    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool) -> float:
+    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool):
         """``||eps_t - eps_{t-1}||`` (NaN on the first ascent): from scalars where the slope
-        buffer still told ``<v_t, v_{t-1}>``, else from the kept ``previous_ascent``."""
+        buffer still told ``<v_t, v_{t-1}>``, else from the kept ``previous_ascent``; a
+        0-dim device tensor (read lazily by the diagnostics) where an inner product of
+        buffers enters it."""
         previous = self._previous
         if scalar:
             if inner_previous is None:
@@ -431,9 +463,9 @@ class SharpnessAware(torch.optim.Optimizer):
         stability = _NAN
         if previous is not None:
             if eps is not None:
-                inner = float(P.reductions([(eps, kept)], lists.plan)[0])
+                inner = P.reductions([(eps, kept)], lists.plan)[0]
             else:
-                inner = scale * float(P.reductions([(slopes, kept)], lists.plan)[0])
+                inner = scale * P.reductions([(slopes, kept)], lists.plan)[0]
             stability = P.distance_between_ascents(ascent_norm, previous["ascent_norm"], inner)
         if eps is not None:
             torch._foreach_copy_(kept, eps)
@@ -442,12 +474,10 @@ class SharpnessAware(torch.optim.Optimizer):
             torch._foreach_mul_(kept, scale)
         return stability
 
-    def _inner_with_kept_slopes(self, params, grads) -> Optional[float]:
+    def _inner_with_kept_slopes(self, params, grads) -> torch.Tensor:
         """``<g_t, v_last>`` over the parameters that have a slope buffer (the set of
-        parameters with a gradient changed since the last step)."""
+        parameters with a gradient changed since the last step), as a device tensor."""
         pairs = [(g, self.state[q]["slope"]) for q, g in zip(params, grads) if "slope" in self.state[q]]
-        if not pairs:
-            return 0.0
         return P.dot([g for g, _ in pairs], [v for _, v in pairs])
 
     @torch.no_grad()
@@ -462,6 +492,7 @@ class SharpnessAware(torch.optim.Optimizer):
         else:
             torch._foreach_add_(params, pending["slopes"], alpha=-pending["scale"])
         pending["at_ascent"] = False
+        _moved_parameters()
 
     def abandon(self) -> None:
         """Restore and drop the step in flight without a base step (the host skipped the update)."""
@@ -469,46 +500,73 @@ class SharpnessAware(torch.optim.Optimizer):
         self._pending = None
         self.in_second_pass = False
 
-    @torch.no_grad()
     def descend(self) -> bool:
         """Second half of a step: restore ``x_t`` and let the base optimizer step.
 
         The base step uses ``h_t`` from ``.grad`` after a second pass (GSAM-corrected
         when ``gsam_alpha > 0``), else ``g_t``.  Returns True iff a base step was
-        taken; a non-finite ``g_t`` or ``h_t`` skips it (with a warning).
+        taken; a non-finite ``g_t`` or ``h_t`` skips it (with a warning).  A step
+        started with ``perturb(scaler=...)`` is finished by ``scaler.step(opt)``.
         """
         pending = self._pending
         if pending is None:
             raise RuntimeError("descend() without perturb(): call perturb() after the first backward")
+        if pending["scaled"]:
+            raise RuntimeError(_SCALED_STEP)
+        return self._descend()
+
+    @torch.no_grad()
+    def _descend(self, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
+        """:meth:`descend`; with a scaler, ``grad_scale`` is the scale ``.grad`` still
+        carries (None once ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's
+        verdict on it (``GradScaler.step`` hands both over)."""
+        pending = self._pending
         self.restore()
         self._pending = None
         self.in_second_pass = False
         if pending["kind"] == "nonfinite":
             return False
-        if pending["kind"] == "perturbed":
-            lists = pending["lists"]
-            firsts = pending["first_grads"]
-            second = [q.grad for q in lists.params]
-            plan = lists.plan
-            if any(h is None for h in second):  # a parameter got no gradient in the second pass
-                keep = [i for i, h in enumerate(second) if h is not None]
-                second = [second[i] for i in keep]
-                firsts = None if firsts is None else [firsts[i] for i in keep]
-                plan = None
-            gsam = self.gsam_alpha > 0.0 and pending["rho"] > 0.0 and len(second) > 0  # rho = 0: h == g
-            terms = [(second, None)]
-            if gsam:
-                terms.append((firsts, second))
-            # one host sync: finiteness of h_t, and GSAM's ||h_t|| and <g_t, h_t>
+        params = pending["lists"].params
+        if pending["kind"] == "first_gradient":  # g_t, found finite by perturb(): nothing to decide again
+            if grad_scale is not None:
+                P.unscale([q.grad for q in params], grad_scale, in_place=True)
+            self._base_step()
+            return True
+        firsts = pending["first_grads"]
+        second = [q.grad for q in params]
+        plan = pending["lists"].plan
+        if any(h is None for h in second):  # a parameter got no gradient in the second pass
+            keep = [i for i, h in enumerate(second) if h is not None]
+            second = [second[i] for i in keep]
+            firsts = None if firsts is None else [firsts[i] for i in keep]
+            plan = None
+        if grad_scale is not None and second:
+            P.unscale(second, grad_scale, in_place=True)
+        gsam = self.gsam_alpha > 0.0 and pending["rho"] > 0.0 and len(second) > 0  # rho = 0: h == g
+        # One host sync: is h_t finite (the scaler's verdict when it has one, else ||h_t||),
+        # with GSAM's ||h_t|| and <g_t, h_t> from the same read.
+        terms = [(second, None)] + ([(firsts, second)] if gsam else [])
+        if found_inf is not None:
+            reduced = P.reductions(terms, plan) if gsam else None
+            verdict = found_inf.detach().reshape(1).double()
+            if reduced is not None:
+                verdict = torch.cat([verdict.to(reduced.device), reduced])
+            values = verdict.tolist()
+            finite, values = values[0] == 0.0, values[1:]
+        else:
             values = P.reductions(terms, plan).tolist() if second else [0.0]
-            if not math.isfinite(values[0]):
-                self.diagnostics["nonfinite"] = 1.0
-                self._warn_nonfinite("second-pass")
-                return False
-            if gsam:
-                P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=values[0], g_dot_h=values[1])
-        self.base_optimizer.step()
+            finite = math.isfinite(values[0])
+        if not finite:
+            self._skip_nonfinite("second-pass", pending["scaled"])
+            return False
+        if gsam:
+            P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=values[0], g_dot_h=values[1])
+        self._base_step()
         return True
+
+    def _base_step(self) -> None:
+        self.base_optimizer.step()
+        _moved_parameters()
 
     @contextlib.contextmanager
     def second_pass(self, model: Optional[torch.nn.Module] = None, rng: Optional[tuple] = None) -> Iterator[None]:
@@ -588,7 +646,12 @@ class SharpnessAware(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the closure API
 
-    def step(self, closure: Closure = None, model: Optional[torch.nn.Module] = None):
+    # GradScaler.step(opt) calls step() itself, handing over its scale and overflow flag as
+    # the attributes grad_scale and found_inf (torch's protocol for optimizers that unscale
+    # themselves), so that the one overflow decision is the scaler's and costs no host sync there.
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Closure = None, model: Optional[torch.nn.Module] = None, scaler=None):
         """One full step.  ``closure`` computes the loss, calls ``backward()`` and
         returns the loss; it runs at ``x_t`` and, unless the coin skips, at
         ``x_t + eps_t`` inside :meth:`second_pass` (the same RNG state, so the same
@@ -599,16 +662,23 @@ class SharpnessAware(torch.optim.Optimizer):
         them (davda54/sam's, pytorch_optimizer's and the official VaSSO code's, whose
         loops run the first backward before ``step``) gets the right step too; that
         loop's own first backward is then wasted work (``docs/migration.md``).
+
+        ``scaler``: a ``torch.amp.GradScaler`` whose ``scale(loss).backward()`` the
+        closure calls; the step goes through ``scaler.step(opt)``, and the caller then
+        calls ``scaler.update()`` once (``docs/mixed_precision.md``).
+
+        Without a closure, ``step()`` finishes the step :meth:`perturb` started, as
+        :meth:`descend` does: this is what ``scaler.step(opt)`` calls in the explicit
+        API.  It then returns True iff a base step was taken.
         """
         if closure is None:
-            raise RuntimeError(f"{type(self).__name__}.step() needs a closure that re-evaluates the loss; "
-                               "loops that own forward/backward use perturb() and descend()")
+            return self._finish_step()
         rng = P.rng_state()
         self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t
         with torch.enable_grad():
             loss = closure()
         try:
-            perturbed = self.perturb()
+            perturbed = self.perturb(scaler)
         except BaseException:
             self.abandon()
             raise
@@ -618,8 +688,35 @@ class SharpnessAware(torch.optim.Optimizer):
                 second = closure()
             if loss is not None and second is not None:
                 self.diagnostics["loss_gap"] = _loss_gap(loss, second)
-        self.descend()
+        if self._pending["scaled"]:
+            scaler.step(self)  # records the overflow in the scaler, then calls step() to finish
+        else:
+            self.descend()
         return loss
+
+    def _finish_step(self) -> bool:
+        """``step()`` without a closure: the explicit API's descend, directly or through
+        ``scaler.step(opt)`` (which sets ``found_inf`` and ``grad_scale`` around the call)."""
+        found_inf = self.__dict__.get("found_inf")
+        grad_scale = self.__dict__.get("grad_scale")
+        pending = self._pending
+        problem = None
+        if pending is None:
+            problem = (f"{type(self).__name__}.step() needs a closure that re-evaluates the loss; "
+                       "loops that own forward/backward use perturb() and descend() (or scaler.step(opt) "
+                       "after perturb(scaler=scaler)): no step is in flight")
+        elif pending["scaled"] and found_inf is None:
+            problem = _SCALED_STEP
+        elif not pending["scaled"] and found_inf is not None:
+            problem = ("scaler.step(opt) finishes a step whose perturb() was given no scaler, so g_t was used "
+                       "scaled: pass the scaler to perturb(scaler=scaler)")
+        if problem is not None:
+            # GradScaler deletes its attributes only when step() returns: do it here, or
+            # a stale grad_scale would multiply into the next scaler.step(opt)
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
+            raise RuntimeError(problem)
+        return self._descend(grad_scale, found_inf)
 
     # ------------------------------------------------------------------ state
 
@@ -637,7 +734,7 @@ class SharpnessAware(torch.optim.Optimizer):
         return {
             "base_optimizer": self.base_optimizer.state_dict(),
             "state": {i: b for i, b in own.items() if b},
-            "sharpness": {"step": self._step, "seed": self.seed, "previous": self._previous,
+            "sharpness": {"step": self._step, "seed": self.seed, "previous": self._previous and {k: _as_float(v) for k, v in self._previous.items()},
                           "nonfinite_steps": self._nonfinite_steps,
                           # recorded for provenance; the constructor's values are the ones used
                           "rho": self.rho, "theta": self.theta, "adaptive": self.adaptive, "eta": self.eta,
@@ -702,13 +799,90 @@ class _StepLists:
         self.buffers: Dict[str, List[torch.Tensor]] = {}
 
 
-def _loss_gap(first, second) -> float:
-    """``f(x + eps) - f(x)`` as a float, with one host sync for two tensors."""
+def _loss_gap(first, second):
+    """``f(x + eps) - f(x)``: a 0-dim float64 device tensor for tensor losses (the
+    diagnostics read it lazily, so it costs no host sync of its own), else a float."""
     if torch.is_tensor(first) and torch.is_tensor(second) and first.numel() == 1 and second.numel() == 1:
-        a, b = torch.stack([first.detach().reshape(()).double(), second.detach().reshape(()).to(
-            first.device, torch.float64)]).tolist()
-        return b - a
+        return second.detach().reshape(()).to(first.device, torch.float64) - first.detach().reshape(()).double()
     return _as_float(second) - _as_float(first)
+
+
+def _moved_parameters() -> None:
+    """The parameters moved: drop autocast's cached low-precision copies of them.  Inside
+    one autocast region torch casts each leaf parameter once and reuses the copy, so a
+    second pass under the autocast of the first (``with autocast(): opt.step(closure)``)
+    would otherwise run at ``x_t``, not at ``x_t + eps_t``."""
+    torch.clear_autocast_cache()
+
+
+def _loss_scale(scaler, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The scaler's current scale as a 0-dim tensor on the gradients' device, read with
+    its public ``scale()`` (no host sync), or None without a scaler or with a disabled one."""
+    if scaler is None:
+        return None
+    if not (callable(getattr(scaler, "scale", None)) and callable(getattr(scaler, "is_enabled", None))
+            and callable(getattr(scaler, "step", None))):
+        raise ValueError(f"scaler must be a torch.amp.GradScaler (or torch.cuda.amp.GradScaler) or None, "
+                         f"got {scaler!r}")
+    if not scaler.is_enabled():
+        return None
+    device = grads[0].device if grads else torch.device("cpu")
+    return scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+
+
+_SCALED_STEP = ("this step's gradients are scaled (perturb(scaler=...)): finish it with scaler.step(opt), "
+                "then scaler.update()")
+
+
+class Diagnostics(MutableMapping):
+    """The last step's diagnostics (``docs/diagnostics.md``), read as floats.
+
+    Values the step computed on the device stay 0-dim tensors until someone reads
+    one; the first read turns them all into floats with one host sync (per device),
+    so a step whose diagnostics nobody reads pays none for them.  ``dict(diag)``
+    gives plain floats.  A new mapping is made for every step: keeping a reference
+    keeps that step's values.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Optional[Dict[str, Any]] = None):
+        self._values: Dict[str, Any] = dict(values or {})
+
+    def __getitem__(self, key: str) -> float:
+        value = self._values[key]
+        if torch.is_tensor(value):
+            self._read_all()
+            value = self._values[key]
+        return value
+
+    def __setitem__(self, key: str, value) -> None:
+        self._values[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self)!r})"
+
+    def unread(self) -> Dict[str, Any]:
+        """The values as they are, without a host sync: floats, and 0-dim device tensors
+        nobody has read yet (for a host that logs them and reads them at its own log
+        point, as fairseq's meters do)."""
+        return dict(self._values)
+
+    def _read_all(self) -> None:
+        lazy = [k for k, v in self._values.items() if torch.is_tensor(v)]
+        for device in {self._values[k].device for k in lazy}:
+            keys = [k for k in lazy if self._values[k].device == device]
+            floats = torch.stack([self._values[k].detach().reshape(()).double() for k in keys]).tolist()
+            self._values.update(zip(keys, floats))
 
 
 class SAM(SharpnessAware):

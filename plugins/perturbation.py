@@ -127,10 +127,10 @@ def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None) -> tor
     return reductions([(list(tensors), None)], plan)[0]
 
 
-def dot(xs: Tensors, ys: Tensors) -> float:
-    """Inner product <xs, ys> over all tensors (one host synchronization)."""
+def dot(xs: Tensors, ys: Tensors) -> torch.Tensor:
+    """Inner product <xs, ys> over all tensors, as a 0-dim float64 tensor (no host sync)."""
     xs, ys = list(xs), list(ys)
-    return float(reductions([(xs, ys)])[0]) if xs else 0.0
+    return reductions([(xs, ys)])[0] if xs else torch.zeros((), dtype=torch.float64)
 
 
 # --------------------------------------------------------------------------- slope
@@ -161,15 +161,17 @@ def ascent_direction(
     *,
     adaptive_mask: Optional[Sequence[bool]] = None,
     eta: float = 0.01,
-) -> Tuple[List[torch.Tensor], float]:
+) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """The ascent ``eps`` of the sphere's linear maximizer, materialized.
 
     Plain geometry: ``eps = rho * v / ||v||``.  Adaptive geometry (ASAM):
     ``eps = rho * T^2 v / ||T v||`` with ``T = |x| + eta`` on the tensors whose
     ``adaptive_mask`` entry is True and ``T = 1`` elsewhere (biases, norms).
-    Returns ``(eps, ||T v||)``; ``eps`` is all zeros (never NaN) when ``v == 0``.
-    Plain geometry callers that only need ``x + eps`` should use
-    :func:`plain_ascent_scale` and ``_foreach_add_`` instead: no temporaries.
+    Returns ``(eps, ||T v||)``, the norm as a 0-dim float64 tensor: the scale
+    ``rho / ||T v||`` stays on the device, so this costs no host sync.  ``eps`` is
+    all zeros (never NaN) when ``v == 0``.  Plain geometry callers that only need
+    ``x + eps`` should use :func:`plain_ascent_scale` and ``_foreach_add_`` instead:
+    no temporaries.
     """
     if adaptive_mask is None:
         scaled = [v.detach().clone() for v in slopes]  # T v with T = 1
@@ -177,13 +179,14 @@ def ascent_direction(
     else:
         scales = [adaptive_scale(x, eta) if m else None for x, m in zip(params, adaptive_mask)]
         scaled = [v * t if t is not None else v.detach().clone() for v, t in zip(slopes, scales)]
-    norm = float(global_norm(scaled)) if scaled else 0.0
-    factor = plain_ascent_scale(rho, norm)
+    if not scaled:
+        return scaled, torch.zeros((), dtype=torch.float64)
+    norm = global_norm(scaled)
+    factor = torch.where(norm > 0.0, rho / norm, torch.zeros_like(norm))  # 0 when v == 0
     for tv, t in zip(scaled, scales):
         if t is not None:
             tv.mul_(t)  # T (T v) = T^2 v
-    if scaled:
-        torch._foreach_mul_(scaled, factor)
+    torch._foreach_mul_(scaled, factor.float())
     return scaled, norm
 
 
@@ -202,13 +205,16 @@ def estimated_sharpness(rho: float, slope_norm: float) -> float:
     return rho * slope_norm
 
 
-def distance_between_ascents(norm_a: float, norm_b: float, inner: float) -> float:
-    """``||a - b||`` from ``||a||``, ``||b||`` and ``<a, b>`` (clamped at 0 for rounding)."""
-    return math.sqrt(max(norm_a * norm_a + norm_b * norm_b - 2.0 * inner, 0.0))
+def distance_between_ascents(norm_a, norm_b, inner):
+    """``||a - b||`` from ``||a||``, ``||b||`` and ``<a, b>`` (clamped at 0 for rounding);
+    a float from floats, a 0-dim tensor (no host sync) when any of them is one."""
+    squared = norm_a * norm_a + norm_b * norm_b - 2.0 * inner
+    if torch.is_tensor(squared):
+        return squared.clamp(min=0.0).sqrt()
+    return math.sqrt(max(squared, 0.0))
 
 
-def plain_stability(scale: float, previous_scale: float, inner_slopes: float, ascent_norm: float,
-                    previous_ascent_norm: float) -> float:
+def plain_stability(scale: float, previous_scale: float, inner_slopes, ascent_norm, previous_ascent_norm):
     """The stability ``||eps_t - eps_{t-1}||`` of plain geometry from scalars alone:
     ``eps_t = s_t v_t`` and ``eps_{t-1} = s_{t-1} v_{t-1}``, so
     ``<eps_t, eps_{t-1}> = s_t s_{t-1} <v_t, v_{t-1}>``."""
@@ -290,6 +296,28 @@ def second_pass_coin(p: float, seed: int, step: int) -> bool:
     if p <= 0.0:
         return False
     return uniform(seed, step) < p
+
+
+# --------------------------------------------------------------------------- loss scaling
+
+
+def unscale(tensors: Tensors, scale: torch.Tensor, *, in_place: bool) -> List[torch.Tensor]:
+    """``tensors / scale`` for a loss scale held in a 0-dim tensor, on the device (no host
+    sync): in place, or as new tensors.  The reciprocal is taken in float64, as
+    ``torch.amp.GradScaler`` takes it, so a power-of-two scale unscales exactly."""
+    inverse = scale.detach().double().reciprocal().float()
+    tensors = list(tensors)
+    out = list(tensors)
+    for device in {t.device for t in tensors}:
+        index = [i for i, t in enumerate(tensors) if t.device == device]
+        group = [tensors[i] for i in index]
+        factor = inverse.to(device, non_blocking=True)
+        if in_place:
+            torch._foreach_mul_(group, factor)
+        else:
+            for i, t in zip(index, torch._foreach_mul(group, factor)):
+                out[i] = t
+    return out
 
 
 # --------------------------------------------------------------------------- host helpers

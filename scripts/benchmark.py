@@ -43,6 +43,11 @@ What it measures (every figure is printed with the machine it was taken on):
    step) over AdamW running the same two forward/backward passes, the median of
    ratios paired within 30+ interleaved repeats: what the wrapper's own per-step
    work costs where per-tensor Python work would show (``--no-floor`` skips it).
+7. **Loss scaling**: on the same 120 small tensors, SAM and VASSO whose closure scales
+   the loss with a CPU ``torch.amp.GradScaler`` (``opt.step(closure, scaler=scaler)``,
+   then ``scaler.update()``) over the same methods unscaled, interleaved in one run,
+   ratios paired within a repeat: what the scaler adds to a two-pass step
+   (``--no-scaler`` skips it; torch < 2.3 has no CPU scaler and skips it too).
 
 The parts live in the installed packages: :mod:`plugins.lab.bench` (models, timing, memory,
 report) and :mod:`fairseq_vasso.nmt.bench` (the fairseq-train runs); this recipe chooses
@@ -71,7 +76,7 @@ import torch
 from plugins.lab.bench.memory import run_memory, state_table
 from plugins.lab.bench.models import FLOOR_MODEL, METHODS, MODELS, STATE_ONLY, TINY_FLOOR_MODEL, TINY_MODELS, model_info
 from plugins.lab.bench.report import machine_info, render
-from plugins.lab.bench.timing import CLOCKS, floor_ratios, interleaved_timing, summarize_timing
+from plugins.lab.bench.timing import CLOCKS, floor_ratios, interleaved_timing, scaler_ratios, summarize_timing
 
 # mode -> timing repeats, updates per block, warm-up updates, memory repeats, memory updates,
 #         fairseq repeats, fairseq max-update, fairseq optimizers, two-pass floor repeats and block
@@ -86,7 +91,7 @@ MODEL_BLOCK_SCALE = {"transformer": 1, "many-small": 3}  # many-small updates ar
 
 def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] = None,
             methods: Sequence[str] = tuple(METHODS), threads: int = 1, fairseq: bool = True,
-            memory: bool = True, floor: bool = True, tiny: bool = False, workdir: Optional[str] = None,
+            memory: bool = True, floor: bool = True, scaler: bool = True, tiny: bool = False, workdir: Optional[str] = None,
             clock: str = "cpu",
             overrides: Optional[Dict[str, Any]] = None, log: Callable[[str], None] = print,
             command: str = "", fairseq_only: bool = False) -> Dict[str, Any]:
@@ -112,6 +117,16 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
         results["floor"] = floor_ratios(fcfg, cfg["floor_reps"], cfg["floor_block"], cfg["warmup"], log=log,
                                         clock=clock)
         results["floor"].update(model="many-small-120", model_info=f"many-small-120 ({info})")
+    if scaler and not fairseq_only:
+        fcfg = TINY_FLOOR_MODEL if tiny else FLOOR_MODEL
+        info = model_info({"many-small-120": fcfg})["many-small-120"]
+        if hasattr(torch.amp, "GradScaler"):
+            log(f"loss scaling, many-small-120 ({info}): {cfg['floor_reps']} repeats x {cfg['floor_block']} updates")
+            results["scaler"] = scaler_ratios(fcfg, cfg["floor_reps"], cfg["floor_block"], cfg["warmup"], log=log,
+                                              clock=clock)
+            results["scaler"].update(model_info=f"many-small-120 ({info})")
+        else:
+            results["scaler_skipped"] = f"torch {torch.__version__} has no CPU GradScaler (torch >= 2.3)"
     state_methods = [m for m in methods] + [m for m in STATE_ONLY]
     results["state"] = {} if fairseq_only else state_table(models, state_methods)
     if memory and not fairseq_only:
@@ -148,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory runs")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip SAM and VASSO over AdamW with two passes on 120 small tensors")
+    ap.add_argument("--no-scaler", action="store_true",
+                    help="skip SAM and VASSO with a GradScaler over the same methods unscaled")
     ap.add_argument("--fairseq-only", action="store_true", help="only the fairseq-train comparison")
     ap.add_argument("--fairseq-reps", type=int, help="override the number of fairseq repeats")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
@@ -183,7 +200,7 @@ def main(argv=None):
     t0 = time.time()
     results = run_all("quick" if args.quick else "full", models={k: pool[k] for k in args.models},
                       threads=args.threads, fairseq=not args.no_fairseq, memory=not args.no_memory,
-                      floor=not args.no_floor, tiny=args.tiny,
+                      floor=not args.no_floor, scaler=not args.no_scaler, tiny=args.tiny,
                       workdir=args.workdir, overrides=overrides, clock=args.clock,
                       fairseq_only=args.fairseq_only,
                       log=lambda s: print(s, file=sys.stderr, flush=True),

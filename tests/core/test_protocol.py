@@ -3,11 +3,12 @@ synchronizations of a step."""
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from plugins import SAM, VASSO
-from plugins.perturbation import rng_state
-from core_helpers import build, closure_for, first_backward, flat, make_batches, make_model
+from plugins import rng_state
+from plugins.perturbation import second_pass_coin
+from core_helpers import (FAMILY, CountSyncCalls, CountSyncs, build, closure_for, first_backward, flat,
+                          make_batches, make_model)
 
 
 def bn_closure(opt, model, x, y, counted):
@@ -114,26 +115,14 @@ def test_closure_exception_in_the_second_pass_restores_x():
 
 
 # ------------------------------------------------------------------ host synchronizations
-
-SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
-         torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
-
-
-class CountSyncs(TorchFunctionMode):
-    """Counts the calls that copy a tensor's value to the host (a device sync on GPUs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in SYNCS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+# The counters live in core_helpers (CountSyncs: aten._local_scalar_dense plus Tensor.tolist;
+# CountSyncCalls: the Python-level calls); tests/core/test_mixed_precision.py counts the
+# scaled paths and the explicit API.
 
 
 def syncs_per_step(opt, model, batches, **step_kw):
-    """Host syncs of ``opt.step`` beyond the base optimizer's own (AdamW reads its step count)."""
+    """Host syncs of ``opt.step`` beyond the base optimizer's own (AdamW reads its step count),
+    by both counters, and those of reading the diagnostics afterwards."""
     base_step = opt.base_optimizer.step
     base_counts = []
 
@@ -144,38 +133,60 @@ def syncs_per_step(opt, model, batches, **step_kw):
         return out
 
     opt.base_optimizer.step = counted_base_step
-    counts = []
+    counts, calls, reads = [], [], []
     for x, y in batches:
         closure = closure_for(opt, model, x, y)
-        with CountSyncs() as mode:
+        with CountSyncs() as mode, CountSyncCalls() as python_calls:
             opt.step(closure, **step_kw)
-        _ = dict(opt.diagnostics)  # plain floats: reading them costs nothing more
+        with CountSyncs() as reading:
+            diag = dict(opt.diagnostics)  # the lazy values, all in one read
+        assert all(isinstance(v, float) for v in diag.values())
         counts.append(mode.count)
+        calls.append(python_calls.count)
+        reads.append(reading.count)
     opt.base_optimizer.step = base_step
-    return counts, base_counts
+    own = [c - b for c, b in zip(counts, base_counts)]
+    return own, [c - b for c, b in zip(calls, base_counts)], reads
 
 
-# The documented figures (docs/design.md, section 7): perturb() 1, descend() 1, the closure's
-# loss gap 1; VASSO's first step, which creates d_0 = g_0, one more (||d_0||).
-@pytest.mark.parametrize("kind, first, per_step", [("SAM", 3, 3), ("VASSO", 4, 3), ("GSAM", 3, 3), ("V+G", 4, 3)])
-def test_host_synchronizations_per_step(kind, first, per_step):
+# The documented figures (docs/design.md, section 7): perturb() 1, descend() 1, the loss gap
+# and the other device-side diagnostics none until read (then 1 for all of them).
+@pytest.mark.parametrize("kind", FAMILY)
+def test_host_synchronizations_per_step(kind):
     model = make_model(dropout=0.1)
     opt = build(kind, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1)
-    counts, base_counts = syncs_per_step(opt, model, make_batches(6))
-    own = [c - b for c, b in zip(counts, base_counts)]
-    assert own == [first] + [per_step] * 5, (counts, base_counts)
+    two_pass = []
+    own, calls, reads = syncs_per_step(opt, model, make_batches(6))
+    opt2 = build(kind, make_model(dropout=0.1).parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1)
+    for t in range(6):  # the coin is a function of (seed, step): the same draws
+        two_pass.append(second_pass_coin(opt2.p, opt2.seed, t))
+    assert own == [2 if tp else 1 for tp in two_pass], (own, two_pass)
+    assert calls == own  # the Python-level counter agrees
+    assert reads == [1 if tp else 0 for tp in two_pass]  # a skipped step has only floats
 
 
 def test_host_synchronizations_of_a_skipped_step():
     model = make_model()
     opt = SAM(model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1, p=0.0)
-    counts, base_counts = syncs_per_step(opt, model, make_batches(3))
-    assert [c - b for c, b in zip(counts, base_counts)] == [1] * 3  # the finiteness of g_t only
+    own, _, reads = syncs_per_step(opt, model, make_batches(3))
+    assert own == [1] * 3 and reads == [0] * 3  # the finiteness of g_t only
 
 
-def test_sync_counter_sees_a_sync():
-    """The counter is not blind: a known .item() shows."""
-    with CountSyncs() as mode:
+def test_reading_the_diagnostics_twice_syncs_once():
+    model = make_model()
+    opt = VASSO(model.parameters(), torch.optim.SGD, lr=1e-2, rho=0.1)
+    opt.step(closure_for(opt, model, *make_batches(1)[0]))
+    with CountSyncs() as reading:
+        gap = opt.diagnostics["loss_gap"]
+        again = dict(opt.diagnostics)
+    assert reading.count == 1 and again["loss_gap"] == gap and isinstance(gap, float)
+
+
+def test_sync_counters_see_a_sync():
+    """The counters are not blind: known syncs show."""
+    with CountSyncs() as mode, CountSyncCalls() as calls:
         torch.ones(()).item()
         float(torch.ones(()))
-    assert mode.count == 2
+        torch.ones(2).tolist()
+        bool(torch.ones(()) > 0)
+    assert mode.count == 4 and calls.count == 4

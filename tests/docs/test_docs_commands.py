@@ -125,6 +125,16 @@ EXPLICIT_PRELUDE = ("import torch\n"
                     "opt.zero_grad()\n")
 EXPLICIT_CHECK = ("print(opt.diagnostics)\n"
                   "assert opt.diagnostics['two_pass'] == 1 and opt.diagnostics['stability'] > 0\n")
+# The reader's device, model, loss, loader, clipping norm and VASSO, for docs/mixed_precision.md
+AMP_PRELUDE = ("import torch\n"
+               "from plugins import VASSO, rng_state\n"
+               "torch.manual_seed(0)\n"
+               "device = 'cpu'\n"
+               "model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 3))\n"
+               "loss_fn = torch.nn.CrossEntropyLoss()\n"
+               "loader = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(4)]\n"
+               "max_norm = 1.0\n"
+               "opt = VASSO(model.parameters(), torch.optim.AdamW, rho=0.1, theta=0.4, lr=1e-3)\n")
 # The reader's model (BatchNorm and dropout), batches, losses and the classic repository's
 # BatchNorm helpers (theirs toggle the momentum: these do the same), for docs/migration.md
 MIGRATION_PRELUDE = ("import torch\n"
@@ -212,7 +222,7 @@ COMMANDS = classified(
         + "import plugins\n", append=EXPLICIT_CHECK, expect=("stability",))),
 
     # ---- docs/migration.md
-    ("python: from plugins.perturbation import rng_state", substitute(
+    ("python: from plugins import rng_state", substitute(
         "the snippet uses the reader's model, batch, loss and optimizer",
         prelude=MIGRATION_PRELUDE + "optimizer = SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1)\n",
         append="assert optimizer.num_steps == 1 and not optimizer.in_flight\nprint('one step')\n",
@@ -353,10 +363,31 @@ COMMANDS = classified(
         check=".venv/bin/torchrun --nnodes 2 --nproc-per-node 8 --help && .venv/bin/fairseq-train "
               "--user-dir fairseq_vasso --distributed-world-size 16 --optimizer vasso --rho 0.1 "
               "--theta 0.4 --help", expect=("--nproc-per-node", "--theta"))),
+    (".venv/bin/fairseq-train data-bin/iwslt14.tokenized.de-en --user-dir fairseq_vasso --optimizer vasso "
+     "--rho 0.1 --theta 0.4 --amp ...", check_only(
+        "a GPU run ('...': the rest of the flags; fairseq's --amp needs CUDA, tests/fairseq runs it on a CPU "
+        "scaler): fairseq-train parses its flags",
+        check=".venv/bin/fairseq-train --user-dir fairseq_vasso --optimizer vasso --rho 0.1 --theta 0.4 --amp --help",
+        expect=("--theta",))),
     (".venv/bin/python -c 'import fairseq_vasso, os; print(os.path.dirname(fairseq_vasso.__file__))'",
      run(expect=("fairseq_vasso",))),
     (".venv/bin/python -m pytest -q tests/fairseq", check_only(
         COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/fairseq")),
+
+    # ---- docs/mixed_precision.md
+    ("python: scaler = torch.amp.GradScaler(device)", substitute(
+        "the snippet uses the reader's device, model, loss, loader, max_norm and optimizer (here on the CPU)",
+        prelude=AMP_PRELUDE,
+        append="assert opt.num_steps == len(loader) and not opt.in_flight\n"
+               "print(dict(opt.diagnostics), opt.nonfinite_steps, scaler.get_scale())\n",
+        expect=("ascent_norm",))),
+    ("python: for x, y in loader:", substitute(
+        "the snippet uses the reader's device, model, loss, loader, max_norm, optimizer and scaler "
+        "(here on the CPU)",
+        prelude=AMP_PRELUDE + "scaler = torch.amp.GradScaler(device)\n",
+        append="assert opt.num_steps == len(loader) and not opt.in_flight\n"
+               "print(dict(opt.diagnostics), opt.nonfinite_steps, scaler.get_scale())\n",
+        expect=("ascent_norm",))),
 
     # ---- docs/translation.md
     (DEMO, substitute("the full demo takes 5 to 18 minutes", append=TINY_DEMO, timeout=600,

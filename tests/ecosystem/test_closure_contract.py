@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from core_helpers import build, flat, make_batches, make_model
-from plugins.perturbation import rng_state
+from plugins import rng_state
 
 
 def torch_style_run(kind, batches, **kw):

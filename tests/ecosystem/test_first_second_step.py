@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from core_helpers import FAMILY, build, flat, make_batches, make_model
-from plugins.perturbation import rng_state
+from plugins import rng_state
 
 
 def loss_of(model, x, y):

@@ -203,6 +203,57 @@ def run_cli(module, argv, *, env=None, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# ------------------------------------------------------------------ fp16 / AMP on a CPU
+
+def cpu_half_precision_patches():
+    """fairseq's real ``--fp16`` / ``--memory-efficient-fp16`` / ``--amp`` code on a CPU:
+    ``(owner, attribute, value)`` for the four device checks to patch.
+
+    fairseq 0.12 runs these modes through its own Trainer, FP16Optimizer,
+    MemoryEfficientFP16Optimizer, DynamicLossScaler and AMPOptimizer; all of them run
+    unchanged.  Patched, and nothing else:
+
+    1. ``torch.cuda.current_device()`` returns None: FP16Optimizer keys the flat fp32
+       master copy by it and finds the fp16 params by ``p.device.index``, which is
+       None for a CPU tensor.
+    2. ``torch.Tensor.cuda`` is the identity: the Trainer's overflow handler sets
+       ``grad_norm = torch.tensor(0.0).cuda()``.
+    3. ``torch.cuda.amp.GradScaler`` builds ``torch.amp.GradScaler("cpu", ...)``, a
+       real scaler (scales, unscales, finds inf, backs off, grows): AMPOptimizer
+       builds its scaler with the CUDA class, which disables itself without a GPU.
+    4. ``torch.cuda.amp.autocast`` is ``torch.autocast("cpu", dtype=torch.float16)``
+       (FairseqTask.train_step's autocast): real fp16 arithmetic, real overflow.
+    """
+    import torch
+
+    return [
+        (torch.cuda, "current_device", lambda: None),
+        (torch.Tensor, "cuda", lambda self, *a, **k: self),
+        (torch.cuda.amp, "GradScaler", lambda **kw: torch.amp.GradScaler("cpu", **kw)),
+        (torch.cuda.amp, "autocast",
+         lambda enabled=True, **kw: torch.autocast("cpu", dtype=torch.float16, enabled=enabled)),
+    ]
+
+
+@pytest.fixture
+def cpu_half_precision(monkeypatch):
+    """:func:`cpu_half_precision_patches` for one test."""
+    for owner, name, value in cpu_half_precision_patches():
+        monkeypatch.setattr(owner, name, value)
+
+
+def overflow_scales(result):
+    """The loss scales fairseq announced on each overflow, in order (its own log lines:
+    ``--fp16``: the Trainer's OverflowError note; ``--amp``: AMPOptimizer's)."""
+    out = []
+    for name, msg in result.records:
+        if name == "fairseq.trainer" and "gradient overflow detected" in msg:
+            out.append(float(msg.rsplit(":", 1)[1]))
+        elif name == "fairseq.optim.amp_optimizer" and "AMP: overflow detected" in msg:
+            out.append(float(msg.rsplit(" ", 1)[1]))
+    return out
+
+
 @pytest.fixture
 def fs():
     """Helpers as a namespace (test modules cannot import conftest under importlib mode)."""
@@ -217,4 +268,5 @@ def fs():
     ns.run_cli = run_cli
     ns.USER_DIR = user_dir()
     ns.REPO = REPO
+    ns.overflow_scales = overflow_scales
     return ns

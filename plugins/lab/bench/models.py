@@ -24,6 +24,10 @@ METHODS: Dict[str, tuple] = {
 # the floor of the per-step overhead: AdamW running the same two forward/backward passes as
 # SAM and VASSO (timed against them only, on FLOOR_MODEL)
 FLOOR_METHODS = {"adamw-2pass": ("AdamW, two passes", None, {})}
+# SAM and VASSO whose closure scales the loss with a torch.amp.GradScaler (fp32 model: only the
+# scaler's own work differs), timed against the same methods unscaled
+SCALED_METHODS = {"sam-scaled": ("SAM + GradScaler", "SAM", {"rho": RHO}),
+                  "vasso-scaled": ("VASSO + GradScaler", "VASSO", {"rho": RHO, "theta": THETA})}
 # state only (no timing): eVASSO without the stability diagnostic's buffer
 STATE_ONLY = {
     "evasso-nostab": (f"eVASSO(p={P_EFFICIENT:g}, track_stability=False)", "VASSO",
@@ -107,8 +111,18 @@ def build(model_cfg: Dict[str, Any], seed: int = 0):
     return model, loss_fn
 
 
+def make_scaler(method: str):
+    """A CPU ``torch.amp.GradScaler`` for the ``*-scaled`` methods (None for the others);
+    torch < 2.3 has none for the CPU: RuntimeError."""
+    if method not in SCALED_METHODS:
+        return None
+    if not hasattr(torch.amp, "GradScaler"):
+        raise RuntimeError(f"torch {torch.__version__} has no CPU GradScaler (torch.amp.GradScaler('cpu'), torch >= 2.3)")
+    return torch.amp.GradScaler("cpu")
+
+
 def make_optimizer(method: str, model: torch.nn.Module):
-    label, cls_name, kw = {**METHODS, **STATE_ONLY, **FLOOR_METHODS}[method]
+    label, cls_name, kw = {**METHODS, **STATE_ONLY, **FLOOR_METHODS, **SCALED_METHODS}[method]
     if cls_name is None:
         return torch.optim.AdamW(model.parameters(), **BASE_KW)
     return getattr(plugins, cls_name)(model.parameters(), torch.optim.AdamW, **kw, **BASE_KW)

@@ -51,6 +51,10 @@ def _fmt(x, spec=".3f"):
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def _spread(iqr) -> str:
+    return f" (IQR {_fmt(iqr[0], '.2f')}-{_fmt(iqr[1], '.2f')})" if iqr else ""
+
+
 def _verdict(ok: Optional[bool]) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "MISS")
 
@@ -59,9 +63,7 @@ def target_rows(results: Dict[str, Any]) -> List[List[str]]:
     """[target, where, measured, PASS/MISS] rows; the verdict logic lives here (tested)."""
     rows: List[List[str]] = []
     timing = results.get("timing", {})
-    def spread(iqr):
-        return f" (IQR {_fmt(iqr[0], '.2f')}-{_fmt(iqr[1], '.2f')})" if iqr else ""
-
+    spread = _spread
     for md in timing:
         t = timing[md]
         v = t.get("vasso_over_sam")
@@ -170,21 +172,43 @@ def _timing_section(results: Dict[str, Any]) -> List[str]:
     return out
 
 
+def _paired_section(title: str, data: Dict[str, Any], what: str, ratios: List[tuple]) -> List[str]:
+    """A section of ratios paired within interleaved repeats: what ran, the medians in ms,
+    then one line per ``(label, key)`` ratio with its spread and every repeat's value."""
+    out = [f"### {title}", "",
+           f"{data.get('model_info', '')}: {what}, {data['repeats']} interleaved repeats of {data['block']} "
+           "updates, ratios paired within a repeat, medians: "
+           + ", ".join(f"{k} {_fmt(v, '.2f')} ms" for k, v in data["ms"].items()) + ".", ""]
+    for label, key in ratios:
+        out.append(f"- {label} = {_fmt(data[key])}{_spread(data.get(key + '_iqr'))} "
+                   f"(per repeat: {', '.join(_fmt(x, '.3f') for x in data[key + '_all'])})")
+    return out + [""]
+
+
 def _floor_section(results: Dict[str, Any]) -> List[str]:
     """The per-step overhead over AdamW running the same two passes."""
-    out: List[str] = []
     floor = results.get("floor")
-    if floor:
-        out += ["### Per-step overhead over the two-pass floor", "",
-                f"{floor.get('model_info', '')}: SAM and VASSO (defaults, diagnostics on, `opt.diagnostics` read "
-                "after every step) against AdamW running the same two forward/backward passes, "
-                f"{floor['repeats']} interleaved repeats of {floor['block']} updates, ratios paired within a "
-                "repeat, medians: " + ", ".join(f"{k} {_fmt(v, '.2f')} ms" for k, v in floor["ms"].items()) + ".", ""]
-        for m in ("sam", "vasso"):
-            out.append(f"- {METHODS[m][0]} / AdamW with two passes = {_fmt(floor[f'{m}_over_floor'])} "
-                       f"(per repeat: {', '.join(_fmt(x, '.3f') for x in floor[f'{m}_over_floor_all'])})")
-        out.append("")
-    return out
+    if not floor:
+        return []
+    return _paired_section(
+        "Per-step overhead over the two-pass floor", floor,
+        "SAM and VASSO (defaults, diagnostics on, `opt.diagnostics` read after every step) against AdamW "
+        "running the same two forward/backward passes",
+        [(f"{METHODS[m][0]} / AdamW with two passes", f"{m}_over_floor") for m in ("sam", "vasso")])
+
+
+def _scaler_section(results: Dict[str, Any]) -> List[str]:
+    """What a GradScaler adds to a two-pass step."""
+    scaled = results.get("scaler")
+    if not scaled:
+        skipped = results.get("scaler_skipped")
+        return [f"Loss scaling: skipped ({skipped}).", ""] if skipped else []
+    return _paired_section(
+        "Loss scaling: a scaled step over an unscaled one", scaled,
+        "SAM and VASSO whose closure scales the loss with a CPU `torch.amp.GradScaler` "
+        "(`opt.step(closure, scaler=scaler)`, then `scaler.update()`; fp32 model, so only the scaler's work "
+        "differs) against the same methods unscaled",
+        [(f"{METHODS[m][0]} scaled / unscaled", f"{m}_scaled_over_unscaled") for m in ("sam", "vasso")])
 
 
 def _state_section(results: Dict[str, Any]) -> List[str]:
@@ -262,6 +286,6 @@ def _fairseq_section(results: Dict[str, Any]) -> List[str]:
 def render(results: Dict[str, Any]) -> str:
     """The benchmark's markdown report: one section per part that ran."""
     out = _header(results)
-    for section in (_timing_section, _floor_section, _state_section, _fairseq_section):
+    for section in (_timing_section, _floor_section, _scaler_section, _state_section, _fairseq_section):
         out += section(results)
     return "\n".join(out)

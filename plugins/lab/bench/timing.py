@@ -9,7 +9,7 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List, Sequence
 
-from .models import build, make_optimizer
+from .models import SCALED_METHODS, build, make_optimizer, make_scaler
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
@@ -27,6 +27,7 @@ class Runner:
         self.clock = CLOCKS[clock]
         self.model, self.loss_fn = build(model_cfg, seed)
         self.opt = make_optimizer(method, self.model)
+        self.scaler = make_scaler(method)
         self.is_base = not hasattr(self.opt, "base_optimizer")
         self.base_passes = 2 if method == "adamw-2pass" else 1
         self.t = self._zero()
@@ -54,7 +55,7 @@ class Runner:
         t0 = self.clock()
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss_fn()
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self.t["fwdbwd"] += self.clock() - t0
         self.t["passes"] += 1
         return loss
@@ -64,10 +65,14 @@ class Runner:
             for _ in range(self.base_passes):
                 self._closure()
             self.opt.step()
+            return
+        if self.scaler is not None:
+            self.opt.step(self._closure, scaler=self.scaler)
+            self.scaler.update()
         else:
             self.opt.step(self._closure)
-            diagnostics = self.opt.diagnostics  # read after every step, as the fairseq and DomainBed hosts do
-            self.t["two_pass"] += int(diagnostics["two_pass"])
+        diagnostics = self.opt.diagnostics  # read after every step, as the fairseq and DomainBed hosts do
+        self.t["two_pass"] += int(diagnostics["two_pass"])
 
     def block(self, n: int) -> Dict[str, float]:
         """Run n updates; per-update seconds of the whole and of its parts."""
@@ -194,4 +199,23 @@ def floor_ratios(model_cfg: Dict[str, Any], reps: int, block: int, warmup: int,
         out[f"{m}_over_floor"] = median(rs)
         out[f"{m}_over_floor_all"] = rs
         out[f"{m}_over_floor_iqr"] = quartiles(rs)
+    return out
+
+
+def scaler_ratios(model_cfg: Dict[str, Any], reps: int, block: int, warmup: int,
+                  log: Callable[[str], None] = lambda s: None, clock: str = "cpu") -> Dict[str, Any]:
+    """SAM and VASSO with a CPU ``torch.amp.GradScaler`` (the closure scales the loss,
+    ``scaler.update()`` after every step) over the same methods unscaled, interleaved in one
+    run: what loss scaling adds to a step (the scale, the unscale and overflow check of both
+    passes' gradients, the update of the scale).  Medians of ratios paired within each repeat."""
+    methods = ["sam", "sam-scaled", "vasso", "vasso-scaled"]
+    blocks = interleaved_timing(model_cfg, methods, reps, block, warmup, log=log, clock=clock)
+    out: Dict[str, Any] = {"repeats": reps, "block": block,
+                           "ms": {m: 1e3 * median([b["update_median"] for b in bl]) for m, bl in blocks.items()}}
+    for scaled in SCALED_METHODS:
+        plain = scaled[:-len("-scaled")]
+        rs = paired_ratios(blocks, scaled, plain)
+        out[f"{plain}_scaled_over_unscaled"] = median(rs)
+        out[f"{plain}_scaled_over_unscaled_all"] = rs
+        out[f"{plain}_scaled_over_unscaled_iqr"] = quartiles(rs)
     return out

@@ -1,0 +1,502 @@
+"""Loss scaling and autocast through both passes (docs/mixed_precision.md).
+
+A stock ``torch.amp.GradScaler`` is a real scaler on the CPU too (torch >= 2.3): it
+scales, unscales, finds infs and backs off exactly as the CUDA one, so these tests run
+the real thing on any machine.  Every test is parametrized over the device; the
+``cuda`` cases skip without a GPU.  torch 2.1/2.2 have no CPU scaler (only
+``torch.cuda.amp.GradScaler``, which disables itself without CUDA): there the CPU
+cases that need one skip, saying so.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from plugins import SAM, VASSO
+from plugins.perturbation import rng_state, second_pass_coin
+from core_helpers import CountSyncs, build, flat, make_batches, make_model
+
+F = torch.nn.functional
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+#: One member per choice of the family (slope, geometry, correction, schedule).
+KINDS = ["SAM", "VASSO", "ASAM", "GSAM", "V+G", "eVASSO"]
+APIS = ["closure", "explicit"]
+INF = float("inf")
+
+
+def make_scaler(device, **kw):
+    """A real GradScaler for ``device``: torch.amp's where it exists, else torch.cuda.amp's."""
+    if device == "cuda":
+        if hasattr(torch.amp, "GradScaler"):
+            return torch.amp.GradScaler("cuda", **kw)
+        return torch.cuda.amp.GradScaler(**kw)
+    if not hasattr(torch.amp, "GradScaler"):
+        pytest.skip(f"torch {torch.__version__} has no CPU GradScaler (torch.amp.GradScaler('cpu') came in "
+                    "torch 2.3; torch.cuda.amp.GradScaler disables itself without CUDA)")
+    return torch.amp.GradScaler("cpu", **kw)
+
+
+class Run:
+    """A short training run of one optimizer, through either API, with an optional
+    scaler, fault (an inf written into a gradient after a given pass of a given step),
+    gradient clipping and autocast around the forwards."""
+
+    def __init__(self, kind, device, api, *, scaler=None, fault=None, clip=None, autocast=None,
+                 base=torch.optim.SGD, model=None, **knobs):
+        self.device, self.api, self.scaler, self.fault, self.clip, self.autocast = \
+            device, api, scaler, fault, clip, autocast
+        self.model = (model or make_model(dropout=0.1)).to(device)
+        knobs = {"lr": 0.1, "rho": 0.2, **knobs}
+        self.opt = build(kind, self.model.parameters(), base, **knobs)
+        self.taken, self.scales, self.losses = [], [], []
+
+    def forward_backward(self, x, y, t, which):
+        with (torch.autocast(self.device, dtype=self.autocast) if self.autocast else _null()):
+            loss = F.cross_entropy(self.model(x), y)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.fault == (t, which):
+            self.model[3].bias.grad[0] = INF
+        return loss
+
+    def step(self, t, x, y):
+        opt, scaler = self.opt, self.scaler
+        x, y = x.to(self.device), y.to(self.device)
+        before = flat(self.model.parameters())
+        skipped_before = opt.nonfinite_steps
+        if self.api == "closure":
+            calls = []
+
+            def closure():
+                opt.zero_grad()
+                calls.append(1)
+                return self.forward_backward(x, y, t, len(calls))
+
+            loss = opt.step(closure, scaler=scaler)
+            taken = opt.nonfinite_steps == skipped_before
+        else:
+            rng = rng_state()
+            opt.zero_grad()
+            loss = self.forward_backward(x, y, t, 1)
+            if opt.perturb(scaler=scaler):
+                opt.zero_grad()
+                with opt.second_pass(self.model, rng):
+                    self.forward_backward(x, y, t, 2)
+            if self.clip is not None:
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            taken = scaler.step(opt) if scaler is not None else opt.descend()
+        assert not opt.in_flight and taken == (opt.nonfinite_steps == skipped_before)
+        if not taken:  # a skipped step leaves the parameters at x_t (plain restore: to rounding)
+            torch.testing.assert_close(flat(self.model.parameters()), before, rtol=0, atol=1e-6)
+        if scaler is not None:
+            scaler.update()
+            self.scales.append(scaler.get_scale())
+        self.taken.append(bool(taken))
+        self.losses.append(float(loss.detach()))
+
+    def train(self, batches):
+        with warnings.catch_warnings():  # the unscaled runs warn on their injected faults
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for t, (x, y) in enumerate(batches):
+                self.step(t, x, y)
+        return self
+
+    def params(self):
+        return flat(self.model.parameters()).cpu()
+
+    def slopes(self):
+        """The slope buffers (VASSO's d_t; SAM's last g), empty where none was kept."""
+        kept = [self.opt.state[q]["slope"] for q in self.model.parameters() if "slope" in self.opt.state[q]]
+        return flat(kept).cpu() if kept else torch.zeros(0)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def assert_same_run(a, b):
+    torch.testing.assert_close(a.params(), b.params(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(a.slopes(), b.slopes(), rtol=1e-6, atol=1e-7)
+    assert a.taken == b.taken
+
+
+def two_pass_step(opt, start=2):
+    """The first step from ``start`` on whose coin asks for the second pass."""
+    return next(t for t in range(start, 100) if second_pass_coin(opt.p, opt.seed, t))
+
+
+# ------------------------------------------------------------------ scaled == unscaled
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("kind", KINDS + ["eSAM"])
+def test_a_scaled_run_with_a_growing_scale_follows_the_unscaled_run(device, api, kind):
+    batches = make_batches(8)
+    scaler = make_scaler(device, init_scale=2.0 ** 6, growth_interval=1)  # doubles after every step
+    scaled = Run(kind, device, api, scaler=scaler, base=torch.optim.AdamW, lr=1e-2).train(batches)
+    plain = Run(kind, device, api, base=torch.optim.AdamW, lr=1e-2).train(batches)
+    assert scaled.scales == [2.0 ** (7 + t) for t in range(8)]  # it grew, and never backed off
+    assert_same_run(scaled, plain)
+    for key in ("ascent_norm", "sharpness", "rho", "two_pass"):
+        assert scaled.opt.diagnostics[key] == pytest.approx(plain.opt.diagnostics[key], rel=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("api", APIS)
+def test_a_disabled_scaler_is_no_scaler(device, api):
+    batches = make_batches(5)
+    disabled = make_scaler(device, enabled=False)
+    off = Run("VASSO", device, api, scaler=disabled).train(batches)
+    plain = Run("VASSO", device, api).train(batches)
+    assert torch.equal(off.params(), plain.params()) and off.scales == [1.0] * 5
+    # and the step it starts is an unscaled one: descend() finishes it
+    model = make_model().to(device)
+    opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = (t.to(device) for t in make_batches(1)[0])
+    F.cross_entropy(model(x), y).backward()
+    assert opt.perturb(scaler=disabled)
+    assert opt.descend()
+
+
+# ------------------------------------------------------------------ overflow in either pass
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("which", [1, 2], ids=["first-pass", "second-pass"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_overflow_skips_the_step_backs_off_once_and_the_run_goes_on(device, api, which, kind):
+    batches = make_batches(7)
+    probe = build(kind, make_model().parameters(), torch.optim.SGD, lr=0.1)
+    t = two_pass_step(probe)  # a step with a second pass, so that both passes exist
+    scaler = make_scaler(device, init_scale=2.0 ** 10, growth_interval=1000)
+    scaled = Run(kind, device, api, scaler=scaler, fault=(t, which)).train(batches)
+    plain = Run(kind, device, api, fault=(t, which)).train(batches)
+    assert scaled.taken[t] is False and plain.taken[t] is False
+    assert sum(not taken for taken in scaled.taken) == 1
+    # backed off once, at that step only (the growth interval is not reached)
+    assert scaled.scales == [2.0 ** 10] * t + [2.0 ** 9] * (len(batches) - t)
+    assert scaled.opt.nonfinite_steps == plain.opt.nonfinite_steps == 1
+    assert_same_run(scaled, plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_overflow_through_scaler_step_warns_not_and_reports_in_the_diagnostics(device):
+    scaler = make_scaler(device, init_scale=2.0 ** 10)
+    run = Run("VASSO", device, "closure", scaler=scaler, fault=(0, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # an overflow is the scaler's routine signal
+        run.step(0, *make_batches(1)[0])
+    assert run.opt.diagnostics["nonfinite"] == 1.0 and run.scales == [2.0 ** 9]
+
+
+# ------------------------------------------------------------------ clipping, the coin
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "eVASSO"])
+def test_clipping_after_unscale_equals_the_unscaled_clipped_run(device, kind):
+    batches = make_batches(6)
+    scaler = make_scaler(device, init_scale=2.0 ** 12, growth_interval=2)
+    scaled = Run(kind, device, "explicit", scaler=scaler, clip=0.05).train(batches)
+    plain = Run(kind, device, "explicit", clip=0.05).train(batches)
+    unclipped = Run(kind, device, "explicit").train(batches)
+    assert_same_run(scaled, plain)
+    assert not torch.allclose(plain.params(), unclipped.params())  # the clip did clip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])
+def test_the_closure_api_clips_h_in_the_second_pass_as_the_explicit_api_does(device, kind):
+    """docs/mixed_precision.md: in the closure, ``scaler.unscale_(opt)`` and the clip once
+    ``opt.in_second_pass``; step() then finds h_t unscaled and does not unscale it again."""
+    batches = make_batches(6)
+    explicit = Run(kind, device, "explicit", scaler=make_scaler(device, init_scale=2.0 ** 12), clip=0.05)
+    explicit.train(batches)
+    model = make_model(dropout=0.1).to(device)
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+    scaler = make_scaler(device, init_scale=2.0 ** 12)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+
+        def closure():
+            loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            if opt.in_second_pass:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            return loss
+
+        opt.step(closure, scaler=scaler)
+        scaler.update()
+    torch.testing.assert_close(flat(model.parameters()).cpu(), explicit.params(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("api, clip", [("closure", None), ("explicit", None), ("explicit", 0.05)])
+@pytest.mark.parametrize("kind", ["eSAM", "eVASSO"])
+def test_a_step_the_coin_skips_takes_g_unscaled_once(device, api, clip, kind):
+    batches = make_batches(6)
+    scaler = make_scaler(device, init_scale=2.0 ** 12, growth_interval=1)
+    scaled = Run(kind, device, api, scaler=scaler, clip=clip, p=0.0).train(batches)  # never a second pass
+    plain = Run(kind, device, api, clip=clip, p=0.0).train(batches)
+    assert all(scaled.taken) and scaled.opt.diagnostics["two_pass"] == 0.0
+    assert_same_run(scaled, plain)
+
+
+# ------------------------------------------------------------------ real fp16 overflow
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+def test_real_fp16_overflows_are_skipped_and_backed_off_and_the_model_learns(device, api, kind):
+    # Activations' gradients are fp16 under autocast: at a scale of 2^40 they overflow
+    # for real, until the scaler has backed off far enough.
+    scaler = make_scaler(device, init_scale=2.0 ** 40, growth_interval=1000)
+    run = Run(kind, device, api, scaler=scaler, autocast=torch.float16, lr=0.2, rho=0.05)
+    batches = make_batches(1) * 40  # one batch, memorized
+    run.train(batches)
+    scales = [2.0 ** 40] + run.scales
+    back_offs = sum(b < a for a, b in zip(scales, scales[1:]))
+    skipped = run.taken.count(False)
+    assert back_offs > 3 and skipped == back_offs == run.opt.nonfinite_steps
+    learning = [loss for loss, taken in zip(run.losses, run.taken) if taken]
+    assert learning[-1] < 0.8 * learning[0]
+    assert all(torch.isfinite(run.params()))
+
+
+# ------------------------------------------------------------------ autocast, bf16
+
+
+def autocast_state(device):
+    """(enabled, dtype) of autocast on ``device`` now."""
+    try:
+        return torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    except (TypeError, AttributeError):  # torch < 2.4 spells them per device
+        if device == "cpu":
+            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+
+
+def autocast_casts_to(device, dtype) -> bool:
+    """Whether this torch has autocast to ``dtype`` on ``device`` (torch < 2.3 refuses CPU float16)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # some versions warn and disable it instead
+            with torch.autocast(device, dtype=dtype):
+                return torch.nn.functional.linear(torch.ones(1, 2, device=device),
+                                                  torch.ones(2, 2, device=device)).dtype == dtype
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_autocast_around_step_gives_the_second_pass_the_first_pass_autocast(device, dtype, kind):
+    """``with autocast(): opt.step(closure)`` runs both passes under that autocast, at
+    ``x_t`` and at ``x_t + eps_t``: the same run as autocast inside the closure (autocast's
+    cache of cast parameters would otherwise serve the second pass x_t's weights)."""
+    if not autocast_casts_to(device, dtype):
+        pytest.skip(f"torch {torch.__version__} has no {device} autocast to {dtype}")
+    batches = make_batches(4)
+    inside = Run(kind, device, "closure", autocast=dtype).train(batches)
+    model = make_model(dropout=0.1).to(device)
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+    seen, passes = [], 0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+
+        def closure():
+            opt.zero_grad()
+            seen.append(autocast_state(device))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        with torch.autocast(device, dtype=dtype):
+            opt.step(closure)
+        passes += 1 + int(opt.diagnostics["two_pass"])
+    assert seen == [(True, dtype)] * passes
+    assert torch.equal(flat(model.parameters()).cpu(), inside.params())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["VASSO", "eVASSO", "V+G"])
+def test_bf16_parameters_train_and_are_restored_exactly(device, kind):
+    model = make_model().to(device=device, dtype=torch.bfloat16)
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.2, rho=0.1, p=1.0)
+    x, y = make_batches(1)[0]
+    x, y = x.to(device, torch.bfloat16), y.to(device)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        before = flat(model.parameters())
+        assert opt.perturb()
+        assert not torch.equal(flat(model.parameters()), before)  # at x_t + eps_t
+        opt.restore()
+        assert torch.equal(flat(model.parameters()), before)  # bit for bit, from the anchor copy
+        assert opt.descend()
+        losses.append(float(loss.detach()))
+    assert opt.state[model[0].weight]["slope"].dtype == torch.bfloat16
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_trains_through_the_closure_api(device):
+    run = Run("VASSO", device, "closure", autocast=torch.bfloat16, lr=0.2, rho=0.05)
+    run.train(make_batches(1) * 30)
+    assert run.losses[-1] < 0.7 * run.losses[0] and all(run.taken)
+
+
+# ------------------------------------------------------------------ misuse
+
+
+def scaled_first_backward(device, cls):
+    """A scaler, a model, ``cls`` over it, a batch, and the first backward, scaled."""
+    scaler = make_scaler(device)
+    model = make_model().to(device)
+    opt = cls(model.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = (t.to(device) for t in make_batches(1)[0])
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    return scaler, model, opt, x, y
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaler_step_on_a_step_never_perturbed_is_refused_cleanly(device):
+    scaler, model, opt, x, y = scaled_first_backward(device, SAM)
+    with pytest.raises(RuntimeError, match="no step is in flight"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")  # nothing stale left
+    with pytest.raises(RuntimeError, match="perturb\\(\\) and descend\\(\\)"):
+        opt.step()  # today's error, unchanged
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixing_a_scaled_and_an_unscaled_half_is_refused(device):
+    scaler, model, opt, x, y = scaled_first_backward(device, VASSO)
+    assert opt.perturb(scaler=scaler)
+    with pytest.raises(RuntimeError, match="finish it with scaler.step\\(opt\\)"):
+        opt.descend()
+    with pytest.raises(RuntimeError, match="finish it with scaler.step\\(opt\\)"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="perturb\\(\\) called twice"):
+        opt.perturb(scaler=scaler)
+    assert scaler.step(opt)  # still in flight: finishes normally
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    assert opt.perturb()  # no scaler: g_t taken as it is
+    with pytest.raises(RuntimeError, match="pass the scaler to perturb"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale")
+    opt.abandon()
+
+
+def test_a_scaler_must_be_a_grad_scaler():
+    model = make_model()
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.1)
+    F.cross_entropy(model(make_batches(1)[0][0]), make_batches(1)[0][1]).backward()
+    with pytest.raises(ValueError, match="scaler must be a torch.amp.GradScaler"):
+        opt.perturb(scaler=2.0 ** 16)
+    assert not opt.in_flight and opt.num_steps == 0  # refused before anything moved
+
+
+# ------------------------------------------------------------------ host syncs
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("kind", KINDS + ["eSAM"])
+def test_host_syncs_per_step_on_every_path(api, scaled, kind):
+    """At most 2 per two-pass step (perturb 1, the finish 1), 1 per step the coin skips,
+    with or without a scaler, in both APIs; the scaler's own calls add none (SGD: no sync)."""
+    model = make_model(dropout=0.1)
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+    scaler = make_scaler("cpu", init_scale=2.0 ** 8) if scaled else None
+    counts, expected = [], []
+    for t, (x, y) in enumerate(make_batches(6)):
+        expected.append(2 if second_pass_coin(opt.p, opt.seed, t) else 1)
+
+        def backward():
+            loss = F.cross_entropy(model(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            return loss
+
+        if api == "closure":
+            def closure():
+                opt.zero_grad()
+                return backward()
+
+            with CountSyncs() as syncs:
+                opt.step(closure, scaler=scaler)
+        else:
+            rng = rng_state()
+            opt.zero_grad()
+            with CountSyncs() as syncs:
+                backward()
+                if opt.perturb(scaler=scaler):
+                    opt.zero_grad()
+                    with opt.second_pass(model, rng):
+                        backward()
+                scaler.step(opt) if scaler is not None else opt.descend()
+        if scaler is not None:
+            scaler.update()
+        counts.append(syncs.count)
+    assert counts == expected
+
+
+@CUDA
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "ASAM"])
+def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
+    model = make_model().cuda()
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+    scaler = make_scaler("cuda", init_scale=2.0 ** 8)
+    x, y = (t.cuda() for t in make_batches(1)[0])
+    run = Run(kind, "cuda", api, scaler=scaler, model=model)
+    run.opt = opt
+    for t in range(2):  # warm up: lazy initializations sync once
+        run.step(t, x, y)
+    torch.cuda.synchronize()
+
+    def backward():
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            if api == "closure":
+                def closure():
+                    opt.zero_grad()
+                    backward()
+
+                opt.step(closure, scaler=scaler)
+            else:
+                rng = rng_state()
+                opt.zero_grad()
+                backward()
+                if opt.perturb(scaler=scaler):
+                    opt.zero_grad()
+                    with opt.second_pass(model, rng):
+                        backward()
+                scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 2, [str(w.message) for w in syncs]
+    assert math.isfinite(opt.diagnostics["ascent_norm"])
