@@ -734,7 +734,8 @@ class SharpnessAware(torch.optim.Optimizer):
         return {
             "base_optimizer": self.base_optimizer.state_dict(),
             "state": {i: b for i, b in own.items() if b},
-            "sharpness": {"step": self._step, "seed": self.seed, "previous": self._previous and {k: _as_float(v) for k, v in self._previous.items()},
+            "sharpness": {"step": self._step, "seed": self.seed,
+                          "previous": self._previous and {k: _as_float(v) for k, v in self._previous.items()},
                           "nonfinite_steps": self._nonfinite_steps,
                           # recorded for provenance; the constructor's values are the ones used
                           "rho": self.rho, "theta": self.theta, "adaptive": self.adaptive, "eta": self.eta,
