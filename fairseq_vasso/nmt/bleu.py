@@ -57,7 +57,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from plugins.lab import tables
-from plugins.lab.tables import fmt_mean_std, mean_std  # noqa: F401  (vasso-bleu's numbers)
+from plugins.lab.tables import fmt_mean_std
 
 from . import recipe as nmt
 from .recipe import METHODS

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from plugins import SAM, VASSO
 
-from .tables import fmt_mean_std, markdown_table, mean_std  # noqa: F401  (the tables' helpers)
+from .tables import fmt_mean_std, markdown_table, mean_std
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.3
