@@ -24,7 +24,9 @@ Usage::
 
     python -m fairseq_vasso.nmt.toy_corpus OUTDIR [--train 4000 --valid 300 --test 300 --seed 1]
 
-writes ``OUTDIR/{train,valid,test}.{de,en}``.
+writes ``OUTDIR/{train,valid,test}.{de,en}``. Run again with the same settings, it
+says that OUTDIR already holds this corpus and writes nothing; with other settings it
+refuses, naming the files, unless ``--force``.
 """
 
 import argparse
@@ -276,27 +278,42 @@ def corrupt_targets(pairs, fraction, seed):
     return out, sorted(picked)
 
 
-def write_corpus(outdir, n_train=4000, n_valid=300, n_test=300, seed=1, src="de", tgt="en", train_noise=0.0):
-    """Writes OUTDIR/{train,valid,test}.{src,tgt}; splits are disjoint. Returns the file prefixes.
+def corpus_text(n_train=4000, n_valid=300, n_test=300, seed=1, src="de", tgt="en", train_noise=0.0):
+    """{file name: its text} of the corpus ``write_corpus`` writes; splits are disjoint.
 
     ``train_noise``: the fraction of training pairs whose target is misaligned
     (``corrupt_targets``); valid and test stay clean.
     """
-    os.makedirs(outdir, exist_ok=True)
     pairs = generate(n_train + n_valid + n_test, seed)
     train = corrupt_targets(pairs[:n_train], train_noise, seed)[0] if train_noise else pairs[:n_train]
     splits = {"train": train, "valid": pairs[n_train:n_train + n_valid],
               "test": pairs[n_train + n_valid:]}
-    prefixes = {}
+    files = {}
     for split, rows in splits.items():
-        prefix = os.path.join(outdir, split)
-        with open(prefix + "." + src, "w", encoding="utf-8") as fs, \
-                open(prefix + "." + tgt, "w", encoding="utf-8") as ft:
-            for de, en in rows:
-                fs.write(de + "\n")
-                ft.write(en + "\n")
-        prefixes[split] = prefix
-    return prefixes
+        files["%s.%s" % (split, src)] = "".join(de + "\n" for de, _ in rows)
+        files["%s.%s" % (split, tgt)] = "".join(en + "\n" for _, en in rows)
+    return files
+
+
+def write_corpus(outdir, n_train=4000, n_valid=300, n_test=300, seed=1, src="de", tgt="en", train_noise=0.0):
+    """Writes OUTDIR/{train,valid,test}.{src,tgt} (``corpus_text``). Returns the file prefixes."""
+    os.makedirs(outdir, exist_ok=True)
+    for name, text in corpus_text(n_train, n_valid, n_test, seed, src, tgt, train_noise).items():
+        with open(os.path.join(outdir, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    return {split: os.path.join(outdir, split) for split in ("train", "valid", "test")}
+
+
+def differing_files(outdir, files):
+    """The names of ``files`` ({name: text}) that exist in ``outdir`` with other contents."""
+    differ = []
+    for name, text in files.items():
+        path = os.path.join(outdir, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if f.read() != text:
+                    differ.append(name)
+    return differ
 
 
 def main(argv=None):
@@ -308,12 +325,27 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--train-noise", type=float, default=0.0,
                    help="fraction of training pairs with a misaligned target, in [0, 1]; valid/test stay clean")
+    p.add_argument("--force", action="store_true",
+                   help="replace a corpus of other settings already in OUTDIR (the same corpus is never rewritten)")
     a = p.parse_args(argv)
+    for flag, n in (("--train", a.train), ("--valid", a.valid), ("--test", a.test)):
+        if n < 1:
+            p.error("argument %s: must be >= 1 sentence pairs, got %d" % (flag, n))
     if not 0.0 <= a.train_noise <= 1.0:
         p.error("--train-noise must be in [0, 1], got %g" % a.train_noise)
+    files = corpus_text(a.train, a.valid, a.test, a.seed, train_noise=a.train_noise)
+    present = [name for name in files if os.path.exists(os.path.join(a.outdir, name))]
+    differ = differing_files(a.outdir, files)
+    if present and not differ:
+        print("%s already holds this corpus (same settings): nothing written" % a.outdir)
+        return 0
+    if differ and not a.force:
+        p.error("%s already holds a corpus with other settings (%s differ): give another OUTDIR, "
+                "or --force to replace it" % (a.outdir, ", ".join(differ)))
     write_corpus(a.outdir, a.train, a.valid, a.test, a.seed, train_noise=a.train_noise)
     print("wrote", a.outdir)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

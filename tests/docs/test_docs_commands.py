@@ -21,8 +21,10 @@ Classification (one of):
   CPU): only ``check`` runs, by default the command with ``--help`` appended.
 
 Execution. Like a newcomer with a fresh clone after the README's setup: every command
-runs from a workspace that looks like the repository root (its top-level entries are
-symlinks, ``.venv`` is the environment running the tests), under bash, with that
+runs from a workspace that holds a copy of what a clone holds (the files git tracks, and
+new files that are not ignored; ``.venv`` is a link to the environment running the
+tests), so that nothing a command writes (``runs/``, ``data/``, ``out/``, ...) can land
+in the checkout or touch the user's results there; under bash, with that
 environment *not* on PATH (the docs must say ``.venv/bin/...`` or activate it) and
 without DOMAINBED_ROOT (the docs must export it). Export lines of the same file that
 come before a command are replayed first, as in the shell session that reads the
@@ -34,8 +36,10 @@ test command); the commands that need it skip without one.
 
 import glob
 import os
+import hashlib
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -541,15 +545,85 @@ def _venv():
     return sys.prefix
 
 
+def clone_files(repo=None):
+    """The files a clone of ``repo`` holds, relative to it: those git tracks and the new ones it
+    does not ignore (never ``runs/``, ``data/``, ``out/`` or any other output folder)."""
+    out = subprocess.run(["git", "-C", repo or REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, text=True, check=True).stdout
+    return sorted({p for p in out.split("\0") if p and os.path.isfile(os.path.join(repo or REPO, p))})
+
+
+def make_workspace(ws, repo=None):
+    """Copies ``clone_files(repo)`` into the folder ``ws`` (copies, not links: a command that
+    writes to a documented path writes into the workspace) and links ``.venv``."""
+    for rel in clone_files(repo):
+        os.makedirs(os.path.join(ws, os.path.dirname(rel)), exist_ok=True)
+        shutil.copy2(os.path.join(repo or REPO, rel), os.path.join(ws, rel))
+    os.symlink(_venv(), os.path.join(ws, ".venv"))
+
+
+# Where the documented commands write by default in a checkout: a user's finished results
+# (runs/demo holds twenty minutes of the demo). The suite must leave them alone.
+USER_RESULTS = ("runs/demo", "runs/quickstart")
+FAKE_FINISHED_RUN = {  # a finished demo and quick start, as far as their files go
+    "results.md": "| Method | test BLEU |\n|---|---|\n| VASSO | 41.07 |\n",
+    "data-bin/dict.de.txt": "der 100\ndie 90\n",
+    "raw/train.de": "der Hund schläft .\n",
+    "runs/vasso0.4/seed1/train.log": "epoch 001 | loss 5.1 | num_updates 320\ndone training in 12.0 seconds\n",
+    "runs/vasso0.4/seed1/checkpoint_last.pt": "not a real checkpoint: its bytes are what the test hashes\n",
+    "vasso/seed1/checkpoint_last.pt": "not a real checkpoint either\n",
+}
+
+
+def tree_digest(path):
+    """sha256 over every file of the tree at ``path`` (relative names and bytes), or None."""
+    if not os.path.exists(path):
+        return None
+    h = hashlib.sha256()
+    for top, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(top, name)
+            h.update(os.path.relpath(full, path).encode() + b"\0")
+            with open(full, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
 @pytest.fixture(scope="session")
-def workspace(tmp_path_factory, request):
+def users_results():
+    """Each of USER_RESULTS in the checkout, byte for byte the same after the whole suite as
+    before it. Where the user has none, a fake finished run stands there during the session
+    (and is removed after it), so that the check holds on a fresh clone (CI) too."""
+    made = []
+    for rel in USER_RESULTS:
+        path = os.path.join(REPO, rel)
+        if not os.path.exists(path):
+            if not os.path.exists(os.path.dirname(path)):
+                made.append(os.path.dirname(path))
+            made.append(path)
+            for name, text in FAKE_FINISHED_RUN.items():
+                os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+                with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+    before = {rel: tree_digest(os.path.join(REPO, rel)) for rel in USER_RESULTS}
+    yield before
+    after = {rel: tree_digest(os.path.join(REPO, rel)) for rel in USER_RESULTS}
+    for path in reversed(made):
+        if path.endswith(tuple(USER_RESULTS)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
+    changed = [rel for rel in USER_RESULTS if after[rel] != before[rel]]
+    assert not changed, ("the docs suite changed or removed results in the checkout (it must write only "
+                         "in its workspace): " + ", ".join(os.path.join(REPO, rel) for rel in changed))
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory, request, users_results):
     """A folder that looks like a fresh clone after the README's setup."""
     ws = tmp_path_factory.mktemp("docs-workspace")
-    for name in os.listdir(REPO):
-        if name in (".git", ".venv") or name.startswith(".pytest"):
-            continue
-        os.symlink(os.path.join(REPO, name), ws / name)
-    os.symlink(_venv(), ws / ".venv")
+    make_workspace(str(ws))
     ws = str(ws)
     _STATUS_BEFORE.append(git_status())
     # queue the selected tests' commands now (see _POOL): first what the others need (the
@@ -886,8 +960,9 @@ def test_documented_commands_leave_the_clone_clean(workspace):
     for future in list(_DONE.values()):
         future.result()
     assert git_status() == _STATUS_BEFORE[0], "documented commands changed the repository's git status"
+    clone = {rel.split("/")[0] for rel in clone_files()} | {".venv"}
     new = sorted(name + ("/" if os.path.isdir(os.path.join(workspace, name)) else "")
-                 for name in os.listdir(workspace) if not os.path.islink(os.path.join(workspace, name)))
+                 for name in os.listdir(workspace) if name not in clone)
     shown = [name for name in new if subprocess.run(
         ["git", "-C", REPO, "check-ignore", "-q", "--no-index", "--", name]).returncode != 0]
     assert not shown, ("documented commands wrote these at the top of a clone, where `git status` "

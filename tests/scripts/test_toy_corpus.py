@@ -39,3 +39,26 @@ def test_write_corpus_noise_in_train_only(tmp_path):
         assert read(clean, name) == read(noisy, name)
     differ = sum(a != b for a, b in zip(read(clean, "train.en"), read(noisy, "train.en")))
     assert 20 <= differ <= 25
+
+
+def test_cli_writes_once_skips_the_same_corpus_and_refuses_another(tmp_path, capsys):
+    out = tmp_path / "raw"
+    assert toy_corpus.main([str(out), "--train", "30", "--valid", "5", "--test", "5"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    written = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(written) == ["test.de", "test.en", "train.de", "train.en", "valid.de", "valid.en"]
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    # the same settings again: said, and nothing rewritten
+    assert toy_corpus.main([str(out), "--train", "30", "--valid", "5", "--test", "5"]) == 0
+    assert "already holds this corpus" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+    # other settings: refused before writing, naming the folder and the flag
+    with pytest.raises(SystemExit) as exc:
+        toy_corpus.main([str(out), "--train", "40", "--valid", "5", "--test", "5"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--force" in err and "train.de" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == written
+    # --force replaces it
+    assert toy_corpus.main([str(out), "--train", "40", "--valid", "5", "--test", "5", "--force"]) == 0
+    assert len((out / "train.de").read_text(encoding="utf-8").splitlines()) == 40
