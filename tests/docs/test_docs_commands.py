@@ -166,9 +166,10 @@ COLLECT_ONLY = "runs a part of the suite that CI runs anyway: collecting it chec
 
 # docs/fairseq.md's CPU quick start, one command after the other
 QUICK_CORPUS = ".venv/bin/python -m fairseq_vasso.nmt.toy_corpus runs/quickstart/raw --train 2000 --valid 100 --test 100"
-QUICK_PREPROCESS = (".venv/bin/fairseq-preprocess --source-lang de --target-lang en --trainpref runs/quickstart/raw/train "
-                    "--validpref runs/quickstart/raw/valid --testpref runs/quickstart/raw/test "
-                    "--destdir runs/quickstart/data-bin --joined-dictionary --workers 1")
+QUICK_PREPROCESS = ("test -f runs/quickstart/data-bin/dict.en.txt || .venv/bin/fairseq-preprocess --source-lang de "
+                    "--target-lang en --trainpref runs/quickstart/raw/train --validpref runs/quickstart/raw/valid "
+                    "--testpref runs/quickstart/raw/test --destdir runs/quickstart/data-bin --joined-dictionary "
+                    "--workers 1")
 QUICK_TRAIN = (".venv/bin/fairseq-train runs/quickstart/data-bin --user-dir fairseq_vasso --task translation "
                "--arch transformer --encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 128 "
                "--decoder-embed-dim 128 --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256 "
@@ -343,11 +344,8 @@ COMMANDS = classified(
 
     # ---- docs/fairseq.md
     (QUICK_CORPUS, substitute(
-        "a smaller corpus: the same steps in seconds; an earlier session's runs/quickstart removed first "
-        "(fairseq-preprocess refuses an existing dictionary, as the doc says)",
-        {".venv/bin/python -m fairseq_vasso.nmt.toy_corpus":
-         "rm -rf runs/quickstart && .venv/bin/python -m fairseq_vasso.nmt.toy_corpus",
-         "--train 2000 --valid 100 --test 100": "--train 300 --valid 20 --test 20"})),
+        "a smaller corpus: the same steps in seconds",
+        {"--train 2000 --valid 100 --test 100": "--train 300 --valid 20 --test 20"})),
     (QUICK_PREPROCESS, run(needs=(QUICK_CORPUS,))),
     (QUICK_TRAIN, substitute("20 updates instead of 300: the same training, shorter",
                              {"--max-update 300": "--max-update 20"}, needs=(QUICK_PREPROCESS,),
@@ -785,7 +783,7 @@ def test_substitutions_and_needs_still_match():
 
 
 # the programs a documented shell command may start with: the environment's, spelled out
-_ALLOWED_PROGRAMS = {"bash", "git", "export", "source", "cd", "test", "mkdir", "ls", "cat",
+_ALLOWED_PROGRAMS = {"bash", "git", "export", "source", "cd", "test", "mkdir", "ls", "cat", "echo",
                      "srun", "sinfo", "squeue", "sbatch"}
 
 
@@ -846,6 +844,49 @@ def test_documented_command(cmd, workspace):
     for needle in how.expect:
         assert needle in out, (f"{cmd.at}: the output of\n{script}\nlacks {needle!r}; last output:\n"
                                f"{out[-4000:]}")
+
+
+def test_workspace_holds_a_copy_of_what_a_clone_holds(tmp_path):
+    # the workspace copies tracked and new unignored files, never an ignored output folder,
+    # so a documented command's output (runs/...) cannot reach the user's
+    repo, ws = tmp_path / "repo", tmp_path / "ws"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "runs" / "demo").mkdir(parents=True)
+    (repo / ".gitignore").write_text("/runs/\n")
+    (repo / "scripts" / "tracked.py").write_text("print(1)\n")
+    (repo / "new_doc.md").write_text("new\n")
+    (repo / "runs" / "demo" / "results.md").write_text("the user's table\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", ".gitignore", "scripts/tracked.py"], check=True)
+    ws.mkdir()
+    make_workspace(str(ws), str(repo))
+    assert sorted(os.listdir(ws)) == [".gitignore", ".venv", "new_doc.md", "scripts"]
+    assert not os.path.islink(ws / "scripts") and not os.path.islink(ws / "scripts" / "tracked.py")
+    (ws / "scripts" / "tracked.py").write_text("changed in the workspace\n")
+    assert (repo / "scripts" / "tracked.py").read_text() == "print(1)\n"
+
+
+QUICK_START = (QUICK_CORPUS, QUICK_PREPROCESS, QUICK_TRAIN, QUICK_BLEU)
+
+
+def test_quick_start_runs_again(workspace):
+    # docs/fairseq.md says the quick start can be run again as it stands: its second run,
+    # in the same workspace after the first, succeeds; the corpus is not rewritten, the
+    # preprocessing is skipped, training resumes, and scoring writes a new folder
+    first = [next(c for c in DOCUMENTED if c.key == key) for key in QUICK_START]
+    for cmd in first:
+        _, rc, out = execute(cmd, workspace)
+        assert rc == 0, f"{cmd.at} failed the first time:\n{out[-3000:]}"
+    dict_file = os.path.join(workspace, "runs", "quickstart", "data-bin", "dict.en.txt")
+    raw_file = os.path.join(workspace, "runs", "quickstart", "raw", "train.de")
+    stamps = (os.stat(dict_file).st_mtime_ns, os.stat(raw_file).st_mtime_ns)
+    script = "\n".join(["set -e"] + [as_run(c, COMMANDS[c.key]) for c in first])
+    rc, out = _run_script(script, workspace, 600)
+    assert rc == 0, f"the quick start failed when run a second time:\n{script}\n{out[-4000:]}"
+    assert "already holds this corpus" in out and "done training" in out and "| vasso |" in out
+    assert (os.stat(dict_file).st_mtime_ns, os.stat(raw_file).st_mtime_ns) == stamps
+    generated = glob.glob(os.path.join(workspace, "runs", "quickstart", "vasso", "seed1", "generate-test*"))
+    assert len(generated) == 2, generated
 
 
 def test_no_documented_command_uses_sudo():
