@@ -7,9 +7,9 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 
+import process_group
 import pytest
 import torch
 
@@ -139,9 +139,9 @@ def test_memory_child_in_process():
 
 def test_memory_child_as_its_own_process():
     """What run_memory starts for each method: python -m plugins.lab.bench.memory, one JSON line."""
-    proc = subprocess.run([sys.executable, "-m", "plugins.lab.bench.memory", "many-small", "sam", "--steps", "2",
+    proc = process_group.run([sys.executable, "-m", "plugins.lab.bench.memory", "many-small", "sam", "--steps", "2",
                            "--tiny"], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["method"] == "sam" and res["extra_state_bytes"] == res["param_bytes"]
@@ -160,8 +160,8 @@ def test_fairseq_ups_skips_the_first_line(fsbench):
 
 
 def _benchmark(*args):
-    proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = process_group.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -5,10 +5,10 @@ each experiment's code path."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
+import process_group
 import pytest
 import torch
 import torch.nn as nn
@@ -200,8 +200,8 @@ def test_experiment_tables_layout():
 ])
 def test_each_experiment_runs_one_epoch(argv, tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, EXPERIMENTS] + argv + ["--json", str(out)], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = process_group.run([sys.executable, EXPERIMENTS] + argv + ["--json", str(out)], capture_output=True,
+                             text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = proc.stdout
     assert "Paper (tab." in printed and "mean ± std over seeds [0]" in printed

@@ -40,12 +40,12 @@ import hashlib
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import process_group
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -704,16 +704,12 @@ _DONE = {}
 def _run_script(script, workspace, timeout):
     """(exit status or a timeout note, output) of ``bash -c script``; on a timeout the whole
     process group (fairseq-train's children included) is killed, by its id."""
-    proc = subprocess.Popen(["bash", "-c", script], cwd=workspace, env=command_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return f"timeout after {timeout} s", out
+        proc = process_group.run(["bash", "-c", script], cwd=workspace, env=command_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        return f"timeout after {timeout} s", exc.output or ""
 
 
 def _submit(cmd, workspace):

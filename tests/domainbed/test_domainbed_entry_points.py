@@ -2,9 +2,9 @@
 (DomainBed's dummy launcher: prints the children's commands, runs nothing)."""
 
 import os
-import subprocess
 import sys
 
+import process_group
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +30,8 @@ WITHOUT_DOMAINBED = (
 @pytest.mark.parametrize("module", ["domainbed_vasso.train", "domainbed_vasso.sweep",
                                     "domainbed_vasso.collect_results"])
 def test_missing_domainbed_says_how_to_fix(module, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_DOMAINBED, module, "--algorithm", "VASSO"],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    proc = process_group.run([sys.executable, "-c", WITHOUT_DOMAINBED, module, "--algorithm", "VASSO"],
+                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "neither on sys.path nor named by DOMAINBED_ROOT" in proc.stderr
     assert "bash scripts/setup_env.sh --with-domainbed" in proc.stderr  # the fix in a clone
@@ -42,8 +42,8 @@ def test_missing_domainbed_says_how_to_fix(module, tmp_path):
 def test_domainbed_root_at_an_empty_folder_says_how_to_fix(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_DOMAINBED, "domainbed_vasso.train"], cwd=tmp_path,
-                          env=clean_env(DOMAINBED_ROOT=str(empty)), capture_output=True, text=True, timeout=120)
+    proc = process_group.run([sys.executable, "-c", WITHOUT_DOMAINBED, "domainbed_vasso.train"], cwd=tmp_path,
+                             env=clean_env(DOMAINBED_ROOT=str(empty)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"DOMAINBED_ROOT={empty} does not contain domainbed/__init__.py" in proc.stderr
     assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr
@@ -52,18 +52,18 @@ def test_domainbed_root_at_an_empty_folder_says_how_to_fix(tmp_path):
 
 def test_tables_without_domainbed_say_how_to_fix(tmp_path):
     """vasso-domainbed-tables selects with DomainBed's own code: without it, one clear error."""
-    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.tables", str(tmp_path)], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
-    if "needs a DomainBed checkout" not in proc.stderr:
-        pytest.skip("DomainBed is importable without DOMAINBED_ROOT")
+    from domainbed_testlib import env_without_domainbed
+    proc = process_group.run([sys.executable, "-m", "domainbed_vasso.tables", str(tmp_path)], cwd=tmp_path,
+                             env=env_without_domainbed(tmp_path), capture_output=True, text=True, timeout=120)
+    assert "needs a DomainBed checkout" in proc.stderr, proc.stderr[-2000:]
     assert proc.returncode == 2
     assert "export DOMAINBED_ROOT=/path/to/DomainBed" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bad_domainbed_root_is_named(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.train"], cwd=tmp_path,
-                          env=clean_env(DOMAINBED_ROOT=str(tmp_path / "nowhere")),
-                          capture_output=True, text=True, timeout=120)
+    proc = process_group.run([sys.executable, "-m", "domainbed_vasso.train"], cwd=tmp_path,
+                             env=clean_env(DOMAINBED_ROOT=str(tmp_path / "nowhere")),
+                             capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"DOMAINBED_ROOT={tmp_path / 'nowhere'} does not contain domainbed/__init__.py" in proc.stderr
 
@@ -86,8 +86,8 @@ def test_python_without_torch_says_use_the_venv_not_clone_domainbed(module, lack
     from domainbed_testlib import DOMAINBED
     path = ROOT if lacks == "numpy" else numpy_only_pythonpath(tmp_path)
     env = clean_env(PYTHONPATH=path, DOMAINBED_ROOT=DOMAINBED or "")
-    proc = subprocess.run([sys.executable, "-S", "-m", module, "--algorithm", "VASSO"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = process_group.run([sys.executable, "-S", "-m", module, "--algorithm", "VASSO"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"has no module named '{lacks}', which domainbed_vasso imports" in proc.stderr
     assert f".venv/bin/python -m {module}" in proc.stderr
@@ -102,9 +102,9 @@ def test_missing_requirement_of_domainbed_is_not_reported_as_missing_domainbed(t
     # DomainBed imports wilds when its datasets load; this interpreter "lacks" it
     code = ("import sys; sys.modules['wilds'] = None; sys.argv[0] = 'train'\n"
             "from domainbed_vasso.train import main; main(['--algorithm', 'VASSO'])")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
-                          env=clean_env(DOMAINBED_ROOT=DOMAINBED),
-                          capture_output=True, text=True, timeout=120)
+    proc = process_group.run([sys.executable, "-c", code], cwd=tmp_path,
+                             env=clean_env(DOMAINBED_ROOT=DOMAINBED),
+                             capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"DomainBed was found at {DOMAINBED}" in proc.stderr
     assert "has no module named 'wilds', which DomainBed imports" in proc.stderr
@@ -128,9 +128,9 @@ def test_paper_recipe_launches_the_four_datasets_with_torchvision_resnet(tmp_pat
     env = clean_env(DOMAINBED_ROOT=DOMAINBED, DATA_DIR=str(tmp_path / "data"),
                     OUTPUT_DIR=str(tmp_path / "sweep"), LAUNCHER="dummy", N_HPARAMS="1",
                     N_TRIALS="1", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "domainbed", "paper_sweep.sh"), "launch",
+    proc = process_group.run(["bash", os.path.join(ROOT, "scripts", "domainbed", "paper_sweep.sh"), "launch",
                            "--skip_confirmation"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+                             text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     commands = [line[len("Dummy launcher: "):] for line in proc.stdout.splitlines()
                 if line.startswith("Dummy launcher: ")]
@@ -172,8 +172,8 @@ def test_help_lists_domainbeds_flags_despite_its_bare_percent(tmp_path):
     from domainbed_testlib import DOMAINBED, SKIP_REASON
     if DOMAINBED is None:
         pytest.skip(SKIP_REASON)
-    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.train", "-h"], capture_output=True, text=True,
-                          env=clean_env(DOMAINBED_ROOT=DOMAINBED), cwd=tmp_path, timeout=300)
+    proc = process_group.run([sys.executable, "-m", "domainbed_vasso.train", "-h"], capture_output=True, text=True,
+                             env=clean_env(DOMAINBED_ROOT=DOMAINBED), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--uda_holdout_fraction" in proc.stdout and "% of test" in proc.stdout
     assert "--algorithm" in proc.stdout
@@ -191,8 +191,8 @@ def test_digits_sweep_finds_domainbed_without_domainbed_root(tmp_path):
     env = clean_env(PYTHONPATH=os.pathsep.join([ROOT, DOMAINBED]), PYTHON=sys.executable)
     assert "DOMAINBED_ROOT" not in env
     out = tmp_path / "sweep"
-    proc = subprocess.run(["bash", DIGITS_SWEEP, str(out), "--command_launcher", "dummy"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = process_group.run(["bash", DIGITS_SWEEP, str(out), "--command_launcher", "dummy"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
     log = (out / "sweep.log").read_text()
     assert "Launched 90 jobs" in log, proc.stderr[-3000:] + log[-3000:]
     assert log.count(f"{sys.executable} -m domainbed_vasso.train --algorithm") == 90
@@ -200,11 +200,13 @@ def test_digits_sweep_finds_domainbed_without_domainbed_root(tmp_path):
 
 
 def test_digits_sweep_without_domainbed_names_the_fix_before_writing(tmp_path):
+    # the precondition first: an environment where DomainBed cannot be imported, however it is
+    # installed (else the script would start its 90 jobs)
+    from domainbed_testlib import env_without_domainbed
     out = tmp_path / "sweep"
-    proc = subprocess.run(["bash", DIGITS_SWEEP, str(out)], cwd=tmp_path, env=clean_env(PYTHON=sys.executable),
-                          capture_output=True, text=True, timeout=120)
-    if "needs a DomainBed checkout" not in proc.stderr:
-        pytest.skip("DomainBed is importable without DOMAINBED_ROOT (setup_env.sh --with-domainbed)")
+    proc = process_group.run(["bash", DIGITS_SWEEP, str(out)], cwd=tmp_path,
+                             env=env_without_domainbed(tmp_path, PYTHON=sys.executable),
+                             capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "digits_sweep.sh: error: domainbed_vasso needs a DomainBed checkout" in proc.stderr
     assert "bash scripts/setup_env.sh --with-domainbed" in proc.stderr
@@ -222,9 +224,9 @@ def test_a_dataset_that_needs_a_download_names_the_command(tmp_path, module, ext
         pytest.skip(SKIP_REASON)
     out, data = tmp_path / "out", tmp_path / "data"
     argv = [a if a != "OUT" else str(out) for a in extra]
-    proc = subprocess.run([sys.executable, "-m", module, "--dataset" if module.endswith("train") else "--datasets",
+    proc = process_group.run([sys.executable, "-m", module, "--dataset" if module.endswith("train") else "--datasets",
                            "PACS", "--data_dir", str(data), *argv], cwd=tmp_path,
-                          env=clean_env(DOMAINBED_ROOT=DOMAINBED), capture_output=True, text=True, timeout=300)
+                             env=clean_env(DOMAINBED_ROOT=DOMAINBED), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (f"domainbed_vasso: error: --dataset PACS reads {data / 'PACS'}, which does not exist: download it "
             f"first (9,991 images, about 200 MB): .venv/bin/python -m domainbed_vasso.download --data_dir {data} PACS"
@@ -236,8 +238,8 @@ def test_a_dataset_that_needs_a_download_names_the_command(tmp_path, module, ext
 
 
 def test_download_lists_the_datasets():
-    proc = subprocess.run([sys.executable, "-m", "domainbed_vasso.download", "--help"], env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = process_group.run([sys.executable, "-m", "domainbed_vasso.download", "--help"], env=clean_env(),
+                             capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     for name in ("PACS", "VLCS", "OfficeHome", "TerraIncognita", "DomainNet", "--data_dir"):
         assert name in proc.stdout

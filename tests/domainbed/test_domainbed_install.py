@@ -4,10 +4,10 @@ leaves one line naming the alternatives and exit code 0."""
 
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 
+import process_group
 import pytest
 from domainbed_testlib import DOMAINBED, ROOT, SKIP_REASON
 
@@ -21,21 +21,21 @@ needs_checkout = pytest.mark.skipif(DOMAINBED is None, reason=SKIP_REASON)
 def venv(tmp_path):
     """A bare venv (no pip: nothing to download) of this interpreter."""
     path = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    process_group.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     return path
 
 
 def install(venv, *args, **env):
     e = {k: v for k, v in os.environ.items() if k not in ("DOMAINBED_ROOT", "PYTHONPATH")}
     e.update(VENV=str(venv), **env)
-    return subprocess.run(["bash", SCRIPT, *args], env=e, capture_output=True, text=True, timeout=300)
+    return process_group.run(["bash", SCRIPT, *args], env=e, capture_output=True, text=True, timeout=300)
 
 
 def imported_from(venv):
     """Where the venv's python imports ``domainbed`` from, with a clean environment."""
     code = "import os, domainbed; print(os.path.dirname(os.path.dirname(domainbed.__file__)))"
-    proc = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                          env={"PATH": os.environ.get("PATH", "")}, cwd=venv, timeout=60)
+    proc = process_group.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                             env={"PATH": os.environ.get("PATH", "")}, cwd=venv, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -80,7 +80,7 @@ def test_a_failed_clone_says_what_to_do_in_one_line_and_leaves_the_venv_usable(v
     assert len(lines) == 1, proc.stderr
     assert "could not clone" in lines[0] and "DOMAINBED_ROOT" in lines[0] and "--with-domainbed=" in lines[0]
     assert not (venv / "src" / "DomainBed").exists()
-    assert subprocess.run([str(venv / "bin" / "python"), "-c", "pass"], timeout=60).returncode == 0
+    assert process_group.run([str(venv / "bin" / "python"), "-c", "pass"], timeout=60).returncode == 0
 
 
 def test_a_source_that_is_not_domainbed_is_refused(venv, tmp_path):
@@ -90,7 +90,7 @@ def test_a_source_that_is_not_domainbed_is_refused(venv, tmp_path):
 
 
 def test_setup_env_refuses_an_unknown_argument():
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_env.sh"), "--with-domainbd"],
-                          capture_output=True, text=True, timeout=60)
+    proc = process_group.run(["bash", os.path.join(ROOT, "scripts", "setup_env.sh"), "--with-domainbd"],
+                             capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "unknown argument --with-domainbd" in proc.stderr

@@ -5,10 +5,10 @@ collect_results test writes into its tree)."""
 import json
 import os
 import shutil
-import subprocess
 import warnings
 import xml.etree.ElementTree as ET
 
+import process_group
 import pytest
 from domainbed_testlib import DOMAINBED, PY, ROOT, SKIP_REASON
 
@@ -31,7 +31,7 @@ def run_suite(copy, report, node_ids=(), register=True):
         VASSO_SUITE_REGISTER="1" if register else "0")
     # no DATA_DIR: DomainBed skips the tests that need downloaded data sets, as anywhere without them
     targets = list(node_ids) or [str(copy / "domainbed" / "test")]
-    return subprocess.run(
+    return process_group.run(
         [PY, "-m", "pytest", "-p", "register_plugin", "-p", "no:cacheprovider", "-q", "-rfEs",
          "--rootdir", str(copy), "-c", str(copy / "pytest.ini"), f"--junitxml={report}", *targets],
         cwd=copy, env=env, capture_output=True, text=True, timeout=1500)
@@ -65,10 +65,10 @@ def test_domainbeds_own_suite_passes_after_register(tmp_path):
 
     # DomainBed's per-algorithm tests saw ours: its hparams test for every (algorithm, dataset)
     # and init/update/predict on Debug28 for every algorithm (on Debug224 for VASSO)
-    check = subprocess.run([PY, "-c", "import json, domainbed_vasso; domainbed_vasso.register(); "
+    check = process_group.run([PY, "-c", "import json, domainbed_vasso; domainbed_vasso.register(); "
                             "from domainbed import algorithms; print(json.dumps(algorithms.ALGORITHMS))"],
-                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(copy)])),
-                           capture_output=True, text=True, timeout=300, check=True)
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(copy)])),
+                              capture_output=True, text=True, timeout=300, check=True)
     algorithms = json.loads(check.stdout.splitlines()[-1])
     assert algorithms[-3:] == list(OURS)
     init_update = [n for n in result if "test_init_update_predict" in n]

@@ -5,9 +5,9 @@ The selection is DomainBed's own: skipped unless DomainBed is importable."""
 import itertools
 import json
 import random
-import subprocess
 import sys
 
+import process_group
 import pytest
 
 from domainbed_testlib import DOMAINBED, SKIP_REASON, env
@@ -129,9 +129,9 @@ def test_command_answers_help_and_reads_a_sweep(tmp_path):
     calls the same main)."""
     write_sweep(tmp_path / "s", synthetic_records(trials=(0, 1)))
     cmd = [sys.executable, "-m", "domainbed_vasso.tables"]
-    help_ = subprocess.run(cmd + ["--help"], capture_output=True, text=True, env=env(), timeout=120)
+    help_ = process_group.run(cmd + ["--help"], capture_output=True, text=True, env=env(), timeout=120)
     assert help_.returncode == 0 and "--selection" in help_.stdout and "leave-one-domain-out" in help_.stdout
-    run = subprocess.run(cmd + [str(tmp_path / "s"), "--selection", "loo"], capture_output=True, text=True,
-                         env=env(), timeout=300)
+    run = process_group.run(cmd + [str(tmp_path / "s"), "--selection", "loo"], capture_output=True, text=True,
+                            env=env(), timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "### PACS, model selection: leave-one-domain-out cross-validation" in run.stdout

@@ -11,10 +11,10 @@ import json
 import logging
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
+import process_group
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,8 +199,8 @@ def run_cli(module, argv, *, env=None, timeout=300):
     full_env.setdefault("OMP_NUM_THREADS", "1")
     if env:
         full_env.update(env)
-    return subprocess.run([sys.executable, "-m", module, *argv], cwd=str(REPO), env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return process_group.run([sys.executable, "-m", module, *argv], cwd=str(REPO), env=full_env,
+                             capture_output=True, text=True, timeout=timeout)
 
 
 # ------------------------------------------------------------------ fp16 / AMP on a CPU

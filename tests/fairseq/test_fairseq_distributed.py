@@ -6,6 +6,7 @@ both halves of the batch), and 2 ranks match 1 rank with --update-freq 2 on the 
 data.  The training set is the 40-sentence split in batches of 20: rank r gets
 batch r of each epoch, the single rank gets both in one update."""
 
+import process_group
 import pytest
 
 try:
@@ -81,15 +82,20 @@ def _two_ranks_and_one(fs, data, tmp_path, extra=(), env=()):
             "--distributed-no-spawn", "--no-save", *extra]
         env_r = {"PYTHONPATH": os.pathsep.join([str(fs.REPO), os.environ.get("PYTHONPATH", "")]),
                  "FSV_DUMP": str(tmp_path / f"rank{rank}.pt"), "OMP_NUM_THREADS": "1", **dict(env)}
-        procs.append(subprocess.Popen([sys.executable, str(driver), *argv], cwd=str(fs.REPO),
-                                      env={**os.environ, **env_r},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    # meanwhile, the single-rank reference in this process
-    single_run = fs.train(_common(fs, data, tmp_path / "single") + ["--update-freq", "2", *extra])
-    outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        outs.append(out)
+        procs.append(process_group.popen([sys.executable, str(driver), *argv], cwd=str(tmp_path),
+                                         env={**os.environ, **env_r},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        # meanwhile, the single-rank reference in this process
+        single_run = fs.train(_common(fs, data, tmp_path / "single") + ["--update-freq", "2", *extra])
+        outs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=240)
+            outs.append(out)
+    finally:
+        for p in procs:  # a failure or timeout above must not leave a rank waiting for its peer
+            process_group.kill_group(p)
+            p.wait()
     # fairseq-train sometimes aborts at exit after finishing (rc 134): judge by the log
     assert "done training" in outs[0], outs[0][-3000:]
     assert "distributed init (rank 1)" in outs[1] or "rank 1" in outs[1], outs[1][-3000:]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import process_group
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,9 +18,9 @@ def run_script(name, *args, timeout=600, cwd=None, check=True):
     Python; returns the CompletedProcess (text)."""
     target = [os.path.join(SCRIPTS, name)] if name.endswith(".py") else ["-m", name]
     # stderr apart: fairseq's import warnings must not mix with what the tests parse
-    proc = subprocess.run([sys.executable] + target + [str(a) for a in args],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
-                          cwd=cwd or REPO)
+    proc = process_group.run([sys.executable] + target + [str(a) for a in args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
+                             cwd=cwd or REPO)
     if check and proc.returncode != 0:
         raise AssertionError("%s %s exited %d:\n%s\n%s" % (name, " ".join(map(str, args)), proc.returncode,
                                                            proc.stdout[-4000:], proc.stderr[-4000:]))

@@ -7,8 +7,8 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 
+import process_group
 import pytest
 
 from fairseq_vasso.nmt import bleu as eval_bleu
@@ -228,7 +228,7 @@ def test_the_printed_vasso_bleu_command_reproduces_the_demo_table_without_overwr
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo] + [p for p in os.environ.get("PYTHONPATH", "").split(
         os.pathsep) if p]))  # the code under test, also in the console script
-    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+    proc = process_group.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, env=env, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip().strip("|").split("|")]
             for l in proc.stdout.splitlines() if l.startswith("| ") and not l.startswith("| Method")}

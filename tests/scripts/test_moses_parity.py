@@ -12,8 +12,8 @@ import filecmp
 import os
 import random
 import shutil
-import subprocess
 
+import process_group
 import pytest
 
 from fairseq_vasso.nmt import iwslt14 as prep
@@ -116,7 +116,7 @@ def test_identical_to_the_perl_pipeline(tmp_path, seed):
     raw = write_hard_raw_dir(str(tmp_path / "orig"), seed)
     script = tmp_path / "original_steps.sh"
     script.write_text(ORIGINAL_STEPS, encoding="utf-8")
-    subprocess.run(["bash", str(script), MOSES, raw, str(tmp_path / "perl")], check=True)
+    process_group.run(["bash", str(script), MOSES, raw, str(tmp_path / "perl")], check=True)
     prep.prepare_text(raw, str(tmp_path / "ours"), bpe_tokens=20, threads=2, log=lambda m: None)
     names = sorted(os.listdir(tmp_path / "perl"))
     assert len(names) == 2 * 3 + 2 * 2 + 2 * 5 + 2  # tok, clean, lc; train/valid; 5 test sets; test

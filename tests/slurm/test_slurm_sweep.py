@@ -3,10 +3,10 @@ Slurm: to completion, interrupted and resumed, and with a job that fails."""
 
 import json
 import os
-import subprocess
 import sys
 import time
 
+import process_group
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,7 +20,7 @@ WAIT_S = 900
 def run(args, env, **extra):
     e = dict(env)
     e.update(extra)
-    return subprocess.run(args, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    return process_group.run(args, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
 
 
 def sweep(command, out, env, *flags, **extra_env):

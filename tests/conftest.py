@@ -1,0 +1,87 @@
+"""The suite's guard of the user's files: no test may write into the checkout.
+
+At the start of a session it records every untracked file of the checkout, ignored or
+not (``runs/``, ``data/``, ``out/``, ``sweep/``, a stray ``diagnostics.png``: where a
+user's results live), with its size and modification time; at the end, after every
+fixture was torn down, it lists what appeared, changed or disappeared there. The
+environment (``.venv``), Python's caches and pip's metadata are left out.
+
+With ``VASSO_CHECKOUT_GUARD=strict`` (CI sets it: a fresh clone where nothing else
+writes) such a change fails the session. Otherwise it is reported at the end of the
+summary and the exit status is left alone, since a user may run the suite while a demo
+or a sweep of theirs writes into the same checkout.
+"""
+
+import os
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LEFT_OUT = ("__pycache__", ".pytest_cache")
+_LEFT_OUT_TOP = (".venv", ".git")
+
+
+def untracked_files(repo=REPO):
+    """{path relative to ``repo``: (size, mtime_ns)} of its untracked files, ignored ones
+    included; {} when ``repo`` is not a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", repo, "ls-files", "-z", "--others", "--", "."]
+                             + [f":(exclude){name}" for name in _LEFT_OUT_TOP],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if out.returncode != 0:
+        return {}
+    files = {}
+    for rel in out.stdout.split("\0"):
+        parts = rel.split("/")
+        if not rel or any(p in LEFT_OUT or p.endswith(".egg-info") for p in parts) or rel.endswith(".pyc"):
+            continue
+        try:
+            st = os.lstat(os.path.join(repo, rel))
+        except FileNotFoundError:
+            continue
+        files[rel] = (st.st_size, st.st_mtime_ns)
+    return files
+
+
+def changes(before, after):
+    """Lines naming the files created, changed or removed between two ``untracked_files``."""
+    lines = [f"created: {p}" for p in sorted(set(after) - set(before))]
+    lines += [f"changed: {p}" for p in sorted(set(after) & set(before)) if after[p] != before[p]]
+    lines += [f"removed: {p}" for p in sorted(set(before) - set(after))]
+    return lines
+
+
+def pytest_sessionstart(session):
+    session.config._vasso_untracked = untracked_files()
+
+
+@pytest.hookimpl(trylast=True)  # after the session fixtures' teardown
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_vasso_untracked", None)
+    if before is None:
+        return
+    found = changes(before, untracked_files())
+    session.config._vasso_checkout_changes = found
+    if found and os.environ.get("VASSO_CHECKOUT_GUARD") == "strict" and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    found = getattr(config, "_vasso_checkout_changes", None)
+    if not found:
+        return
+    strict = os.environ.get("VASSO_CHECKOUT_GUARD") == "strict"
+    terminalreporter.section("files of the checkout written during the session", sep="=", red=strict,
+                             yellow=not strict)
+    terminalreporter.line("Untracked files of the checkout appeared, changed or disappeared while the tests ran "
+                          f"({REPO}). A test must write only in its own temporary folders"
+                          + ("; VASSO_CHECKOUT_GUARD=strict: the session fails." if strict else
+                             "; if nothing else was writing there, a test did (VASSO_CHECKOUT_GUARD=strict "
+                             "makes this fail the session, as CI does)."))
+    for line in found[:50]:
+        terminalreporter.line("  " + line)
+    if len(found) > 50:
+        terminalreporter.line(f"  ... and {len(found) - 50} more")
