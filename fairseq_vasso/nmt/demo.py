@@ -36,6 +36,14 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    Fig. 4) into ``runs/demo/diagnostics.png``, and draws the paper's Fig. 3
    (``plugins.lab.plot.sphere``) into ``runs/demo/adversaries.png``.
 
+Each run is scored as soon as it is trained; its result goes to its folder
+(``runs/METHOD/seedN/result.json``) and the table (``results.md``) and plot are rewritten,
+marked partial until every run is done. Interrupted (Ctrl-C or SIGTERM: every fairseq
+process stops with it), the same command finishes what is left: the corpus and the
+finished runs are kept, an unfinished run starts again from its beginning, so the table
+is the one an uninterrupted demo gives. ``--out`` records the settings (``demo.json``);
+other settings there are refused, and ``--restart`` removes the folder and starts over.
+
 Every few seconds it prints where each running job is, the elapsed time and an
 estimate of what remains; at the end, the CPU time used, which on a shared machine
 says more than the wall time (on 2 idle cores the demo takes about CPU time / 2).
@@ -45,6 +53,9 @@ cores stay busy to the end. Runs are judged by their logs: a fairseq-train that 
 """
 
 import argparse
+import contextlib
+import io
+import json
 import os
 import re
 import resource
@@ -96,10 +107,12 @@ def passes(method):
 
 
 def quiet_children_env(env=None):
-    """env (default os.environ) with the torch.jit.script FutureWarning filtered in child Pythons."""
+    """env (default os.environ) with the torch.jit.script FutureWarning filtered in child
+    Pythons, and tqdm's progress bars off (TQDM_DISABLE) in whatever library they call."""
     env = dict(os.environ if env is None else env)
     rule = "ignore:%s:FutureWarning" % TORCH_JIT_WARNING
     env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), rule]))
+    env["TQDM_DISABLE"] = "1"
     return env
 
 
@@ -114,10 +127,17 @@ def check_dependencies():
 
 
 def prepare(out, args, log):
+    """Stage 1; kept once complete (``prepared`` marker), redone from scratch otherwise."""
     from fairseq_vasso.nmt import iwslt14 as prep
     from fairseq_vasso.nmt import toy_corpus
 
     raw = os.path.join(out, "raw")
+    marker = os.path.join(out, "prepared")
+    if os.path.exists(marker):
+        log("corpus and preprocessing: done before, kept (%s)" % os.path.join(out, "data-bin"))
+        return os.path.join(out, "data-bin"), os.path.join(out, "tok", "test.en")
+    for d in ("raw", "tok", "bpe", "data-bin"):  # an interrupted stage 1: from its start
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
     toy_corpus.write_corpus(raw, args.train, args.valid, args.test, seed=args.corpus_seed,
                             train_noise=args.train_noise)
     tok, bpe_dir, bin_dir = (os.path.join(out, d) for d in ("tok", "bpe", "data-bin"))
@@ -135,13 +155,86 @@ def prepare(out, args, log):
             prep.apply_bpe(code, os.path.join(tok, "%s.%s" % (split, lang)), os.path.join(bpe_dir, "%s.%s" % (split, lang)))
     with open(os.path.join(out, "preprocess.log"), "w") as f:
         prep.binarize(bpe_dir, bin_dir, workers=1, joined=True, log=f)
+    write_json(marker, {"data-bin": bin_dir})
     log("corpus: %d/%d/%d sentence pairs, %.0f %% of the training targets misaligned, BPE %d merges, binarized in %s"
         % (args.train, args.valid, args.test, 100 * args.train_noise, args.bpe_merges, bin_dir))
     return bin_dir, os.path.join(tok, "test.en")
 
 
+def write_json(path, obj):
+    """Writes ``obj`` to ``path`` whole or not at all (a temporary file, then a rename)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
 def run_dir(out, method, seed):
     return os.path.join(out, "runs", method, "seed%d" % seed)
+
+
+def result_path(out, method, seed):
+    """A run's scored result: written once the run is trained and scored, never before."""
+    return os.path.join(run_dir(out, method, seed), "result.json")
+
+
+# the arguments that decide the results (the others say how to run: --out, --jobs, ...)
+SETTINGS = ("methods", "seeds", "rho", "max_update", "train", "train_noise", "valid", "test", "corpus_seed",
+            "bpe_merges", "embed_dim", "layers", "lr", "warmup_updates", "dropout", "checkpoint",
+            "generate_args", "cpu")
+
+
+def settings_of(args):
+    return {key: getattr(args, key) for key in SETTINGS}
+
+
+def open_out(out, args, log):
+    """Makes ``out`` ready: new (settings recorded in demo.json), resumed (the same settings),
+    or emptied first with --restart. Refuses, before any work, a folder of other settings or
+    one that is not a demo's. Returns the number of finished runs kept."""
+    flag = lambda key: "--" + key.replace("_", "-")  # noqa: E731
+    settings = settings_of(args)
+    manifest = os.path.join(out, "demo.json")
+    if args.restart and os.path.exists(out):
+        log("--restart: removing %s" % out)
+        shutil.rmtree(out)
+    if os.path.exists(out) and os.listdir(out):
+        recorded = read_json(manifest)
+        if recorded is None:
+            _refuse("--out %s exists and holds no demo (no demo.json): give another --out, or --restart to "
+                    "remove it and start over" % out)
+        recorded = recorded.get("settings", {})
+        differ = [key for key in SETTINGS if recorded.get(key) != settings[key]]
+        if differ:
+            _refuse("%s holds the runs of a demo with other settings (%s): run the same command as before to "
+                    "finish it, give another --out, or add --restart to remove it and start over"
+                    % (out, "; ".join("%s %s there, %s here" % (flag(k), _shown(recorded.get(k)), _shown(settings[k]))
+                                      for k in differ)))
+        done = [(m, s) for m in args.methods for s in args.seeds if os.path.exists(result_path(out, m, s))]
+        log("resuming %s: %d of %d runs finished before, kept" % (out, len(done), len(args.methods) * len(args.seeds)))
+        return len(done)
+    os.makedirs(out, exist_ok=True)
+    write_json(manifest, {"settings": settings})
+    return 0
+
+
+def _refuse(message):
+    print("demo: error: " + message, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _shown(value):
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
 
 
 def train_one(data, method, seed, out, args, user_dir, env):
@@ -296,11 +389,14 @@ def summary_table(methods, seeds, results, stats):
             "sacreBLEU (mean ± std)"] + [c[1] for c in SUMMARY_DIAG]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     for method in methods:
-        bleu = [results[method, s]["fairseq_bleu"] for s in seeds]
-        sacre = [results[method, s]["sacrebleu"] for s in seeds]
-        cells = [label_of(method), fmt_mean_std(bleu), ", ".join("%.2f" % b for b in bleu), fmt_mean_std(sacre)]
+        done = [s for s in seeds if (method, s) in results]  # all of them, once the demo is finished
+        bleu = [results[method, s]["fairseq_bleu"] for s in done]
+        sacre = [results[method, s]["sacrebleu"] for s in done]
+        cells = [label_of(method), fmt_mean_std(bleu),
+                 ", ".join("%.2f" % results[method, s]["fairseq_bleu"] if s in done else "-" for s in seeds),
+                 fmt_mean_std(sacre)]
         for key, _, digits in SUMMARY_DIAG:
-            cells.append(fmt_mean_std([_float(stats[method, s].get(key)) for s in seeds], digits))
+            cells.append(fmt_mean_std([_float(stats[method, s].get(key)) for s in done], digits))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -311,6 +407,8 @@ def runs_table(methods, seeds, stats):
              "|" + "|".join(["---"] * (len(RUN_DIAG) + 2)) + "|"]
     for method in methods:
         for seed in seeds:
+            if (method, seed) not in stats:
+                continue
             st = stats[method, seed]
             lines.append("| %s | %d | %s |" % (label_of(method), seed, " | ".join(st.get(c[0], "-") for c in RUN_DIAG)))
     return "\n".join(lines) + "\n"
@@ -364,7 +462,10 @@ def fraction(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="runs/demo", help="everything goes here (removed and rewritten)")
+    p.add_argument("--out", default="runs/demo",
+                   help="everything goes here; a rerun with the same settings finishes what an interrupted one left")
+    p.add_argument("--restart", action="store_true",
+                   help="remove --out first and start over (without it, finished runs are never rewritten)")
     p.add_argument("--methods", nargs="+", default=DEMO_METHODS)
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="fairseq-train --seed of each run")
     p.add_argument("--rho", type=float, default=0.1)
@@ -416,10 +517,12 @@ class _Clock:
         print("[%5.0f s] %s" % (time.time() - self.t0, msg), flush=True)
 
 
-def train_all(data, out, args, user_dir, log):
-    """Stage 2: every (method, seed) run, the two-pass ones first (they take about twice as
-    long, so the cheap AdamW runs fill the end); exits naming the runs that failed.
-    Returns the run order and the children's environment."""
+def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
+    """Stages 2 and 3: every (method, seed) run, the two-pass ones first (they take about twice
+    as long, so the cheap AdamW runs fill the end), each scored as soon as it is trained, its
+    result saved in its folder and the table and plot rewritten (partial until the last);
+    runs finished before are kept. Exits naming the runs that failed. Returns the results."""
+    from fairseq_vasso.nmt import bleu as eval_bleu
     from fairseq_vasso.nmt import recipe as nmt_common
 
     methods, seeds = args.methods, args.seeds
@@ -428,77 +531,111 @@ def train_all(data, out, args, user_dir, log):
     threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
     env = quiet_children_env(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)))
     order = sorted(((m, s) for s in seeds for m in methods), key=lambda ms: -passes(ms[0]))
+    results = {(m, s): read_json(result_path(out, m, s)) for m, s in order}
+    results = {key: r for key, r in results.items() if r is not None}
     todo = [(m, s, os.path.join(run_dir(out, m, s), "train.log")) for m, s in order]
-    log("stage 2/4: training %d runs (%s x seeds %s), %d updates each, %d at once, %d thread(s) each"
-        % (n_runs, ", ".join(methods), " ".join(map(str, seeds)), args.max_update, jobs, threads))
+    ckpt_name = "checkpoint_%s.pt" % args.checkpoint
+    cpu = True if args.cpu else None
+    log("stage 2/3: training %d runs (%s x seeds %s), %d updates each, %d at once, %d thread(s) each; each "
+        "run's %s scored when it is trained (fairseq-generate --beam 5 --remove-bpe %s)%s"
+        % (n_runs, ", ".join(methods), " ".join(map(str, seeds)), args.max_update, jobs, threads, ckpt_name,
+           args.generate_args, "; %d finished before, kept" % len(results) if results else ""))
 
     def eval_estimate():
-        # before any checkpoint is scored: a checkpoint costs about what 45 AdamW updates do
-        # (measured here with the default sizes)
+        # a checkpoint costs about what 45 AdamW updates do (measured here with the default sizes)
         left, frac = progress.remaining()
         if left is None:
             return 0.0
         per = 45 * left / max(1e-9, (1 - frac) * sum(passes(m) for m, _, _ in todo) * args.max_update)
-        return per * n_runs / jobs
+        return per * (n_runs - len(results)) / jobs
 
+    lock = threading.Lock()
     failed = []
-    with Progress(todo, args.max_update, log, args.progress_every, eval_estimate) as progress:
-        def train_job(job):
+
+    def run_job(job):
+        method, seed, log_path = job
+        save_dir = run_dir(out, method, seed)
+        start = time.time()
+        if nmt_common.train_finished(log_path) and os.path.exists(os.path.join(save_dir, ckpt_name)):
+            ok, note = True, "trained before, kept"  # its scoring was interrupted
+        else:
+            shutil.rmtree(save_dir, ignore_errors=True)  # an interrupted training starts again
             progress.set(job, "running")
             try:
-                return train_one(data, job[0], job[1], out, args, user_dir, env)
+                _, ok, note, _ = train_one(data, method, seed, out, args, user_dir, env)
             finally:
                 progress.set(job, "done")
+        if not ok:
+            return ok, note, time.time() - start, None
+        [r] = eval_bleu.score(data, [(method, seed, os.path.join(save_dir, ckpt_name))], user_dir=user_dir,
+                              cpu=cpu, ref_file=ref_file, extra=shlex.split(args.generate_args), jobs=1, env=env,
+                              say=log, batch_progress=False)
+        write_json(result_path(out, method, seed), r)
+        return ok, note, time.time() - start, r
 
-        with ThreadPoolExecutor(jobs) as pool:
-            futures = {pool.submit(train_job, job): job for job in todo}
+    with Progress(todo, args.max_update, log, args.progress_every, eval_estimate) as progress:
+        for job in todo:
+            if job[:2] in results:
+                progress.set(job, "done")
+        pending = [job for job in todo if job[:2] not in results]
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            futures = {pool.submit(run_job, job): job for job in pending}
             for fut in as_completed(futures):
                 method, seed, log_path = futures[fut]
-                save_dir, ok, note, secs = fut.result()
-                log("%s seed %d: %s (%s) -> %s" % (method, seed, note, fmt_duration(secs), save_dir))
+                ok, note, secs, r = fut.result()
                 if not ok:
+                    log("%s seed %d: %s (%s) -> %s" % (method, seed, note, fmt_duration(secs),
+                                                       run_dir(out, method, seed)))
                     print(nmt_common.tail(log_path), file=sys.stderr)
                     failed.append("%s seed %d" % (method, seed))
+                    continue
+                with lock:
+                    results[method, seed] = r
+                    report(out, args, results, bleu_command)
+                    plot(out, args, results, log, quiet=True)
+                log("%s seed %d: %s, scored (%s) -> %s; %d of %d runs scored, table%s in %s"
+                    % (method, seed, note, fmt_duration(secs), run_dir(out, method, seed), len(results), n_runs,
+                       "" if len(results) == n_runs else " (partial)", os.path.join(out, "results.md")))
     if failed:
-        raise SystemExit("training failed: %s" % ", ".join(failed))
-    return order, env
+        raise SystemExit("training failed: %s (rerun the same command to try them again; the others are kept)"
+                         % ", ".join(failed))
+    return results
 
 
-def score_all(data, ref_file, out, order, args, user_dir, env, log):
-    """Stage 3: BLEU of each run's checkpoint with vasso-bleu's own loop
-    (:func:`fairseq_vasso.nmt.bleu.score`); ``({(method, seed): result}, the vasso-bleu
-    command that reproduces them)``."""
+def bleu_command_of(data, ref_file, out, args):
+    """The vasso-bleu command that gives the table's BLEU columns, paths relative to where the
+    demo was started when below it."""
     from fairseq_vasso.nmt import bleu as eval_bleu
 
-    ckpt_name = "checkpoint_%s.pt" % args.checkpoint
-    log("stage 3/4: scoring %s of %d runs with fairseq-generate --beam 5 --remove-bpe %s"
-        % (ckpt_name, len(order), args.generate_args))
-    cpu = True if args.cpu else None
-    todo = [(m, s, os.path.join(run_dir(out, m, s), ckpt_name)) for m, s in order]
-    results = eval_bleu.score(data, todo, user_dir=user_dir, cpu=cpu, ref_file=ref_file,
-                              extra=shlex.split(args.generate_args), jobs=args.jobs, env=env, say=log,
-                              batch_progress=False)
-
-    def shown(path):  # relative to where the demo was started, when below it
+    def shown(path):
         rel = os.path.relpath(path)
         return path if rel.startswith("..") else rel
 
-    command = eval_bleu.command(shown(data), runs=shown(os.path.join(out, "runs")), checkpoint_name=ckpt_name,
-                                user_dir=args.user_dir, cpu=cpu, ref_file=shown(ref_file),
-                                generate_args=args.generate_args, jobs=args.jobs, no_paper=True)
-    return {(r["method"], r["seed"]): r for r in results}, command
+    return eval_bleu.command(shown(data), runs=shown(os.path.join(out, "runs")),
+                             checkpoint_name="checkpoint_%s.pt" % args.checkpoint, user_dir=args.user_dir,
+                             cpu=True if args.cpu else None, ref_file=shown(ref_file),
+                             generate_args=args.generate_args, jobs=args.jobs, no_paper=True)
 
 
 def report(out, args, results, bleu_command):
     """The seeded comparison and the per-run diagnostics, as markdown (also written to
-    ``results.md``), with the vasso-bleu command that gives the same BLEU columns."""
+    ``results.md``), with the vasso-bleu command that gives the same BLEU columns. Before
+    every run is scored: the finished ones, under a line that says the table is partial."""
     from fairseq_vasso.nmt import recipe as nmt_common
 
-    methods, seeds = args.methods, args.seeds
-    stats = {(m, s): last_epoch_stats(os.path.join(run_dir(out, m, s), "train.log")) for m in methods for s in seeds}
-    first = results[methods[0], seeds[0]]
-    paper = ", ".join("%s %.2f" % (label_of(m), nmt_common.METHODS[m].paper_bleu) for m in methods)
-    text = "\n".join([
+    seeds = args.seeds
+    total = len(args.methods) * len(seeds)
+    methods = [m for m in args.methods if any((m, s) in results for s in seeds)]
+    stats = {(m, s): last_epoch_stats(os.path.join(run_dir(out, m, s), "train.log"))
+             for m in methods for s in seeds if (m, s) in results}
+    first = next(iter(results.values()))
+    paper = ", ".join("%s %.2f" % (label_of(m), nmt_common.METHODS[m].paper_bleu) for m in args.methods)
+    partial = len(results) < total
+    head = []
+    if partial:
+        head = ["", "**Partial: %d of %d runs scored.** The rest are still running, or were interrupted: the same "
+                "command finishes them." % (len(results), total)]
+    text = "\n".join(head + [
         "",
         "## Toy de-en demo: test BLEU with %.0f %% of the training targets misaligned" % (100 * args.train_noise),
         "",
@@ -510,7 +647,8 @@ def report(out, args, results, bleu_command):
         summary_table(methods, seeds, results, stats),
         "Differences of mean test BLEU:",
         "",
-    ] + ["- " + line for line in compare(methods, seeds, results)] + [
+    ] + ["- " + line for line in (compare(methods, seeds, results) if not partial else
+                                  ["when every run is scored."])] + [
         "",
         "fairseq BLEU: tokenized BLEU4 of fairseq-generate --beam 5 --remove-bpe %s; sacreBLEU: %s on detokenized "
         "text. Loss gap and stability: fairseq_vasso's log, mean over the last epoch ('-': AdamW has none). For "
@@ -526,13 +664,20 @@ def report(out, args, results, bleu_command):
         "",
         runs_table(methods, seeds, stats),
     ])
-    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(text)
+    write_text(os.path.join(out, "results.md"), text)
     return text
 
 
-def plot(out, args, log):
-    """Stage 4: the paper's Fig. 4 (stability) and the loss gap for these runs, and its Fig. 3."""
+def write_text(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def plot(out, args, results, log, quiet=False):
+    """The paper's Fig. 4 (stability) and the loss gap for the scored runs; once all are,
+    its Fig. 3 as well (stage 3)."""
     from plugins.lab.plot import diagnostics as plot_diagnostics
     from plugins.lab.plot import sphere as adversary_sphere
 
@@ -540,13 +685,16 @@ def plot(out, args, log):
     # seed of each the paper's colours (vasso-plot: SAM orange, VASSO blue)
     runs = ["%s s%d=%s" % (label_of(m).replace(" (theta=", " θ").rstrip(")"), s,
                            os.path.join(run_dir(out, m, s), "train.log"))
-            for m in args.methods if passes(m) > 1 for s in args.seeds]
+            for m in args.methods if passes(m) > 1 for s in args.seeds if (m, s) in results]
     if runs:
         png = os.path.join(out, "diagnostics.png")
-        plot_diagnostics.main(runs + ["-o", png, "--smooth", "5", "--title",
-                                      "demo: toy de-en, %.0f %% misaligned targets" % (100 * args.train_noise)])
-        log("diagnostics plot (stability and loss gap over updates): %s" % png)
-    adversary_sphere.main(["-o", os.path.join(out, "adversaries.png")])
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            plot_diagnostics.main(runs + ["-o", png, "--smooth", "5", "--title",
+                                          "demo: toy de-en, %.0f %% misaligned targets" % (100 * args.train_noise)])
+        if not quiet:
+            log("diagnostics plot (stability and loss gap over updates): %s" % png)
+    if len(results) == len(args.methods) * len(args.seeds):
+        adversary_sphere.main(["-o", os.path.join(out, "adversaries.png")])
 
 
 def main(argv=None):
@@ -557,16 +705,23 @@ def main(argv=None):
     log = _Clock()
     user_dir = args.user_dir or nmt_common.default_user_dir()
     out = os.path.abspath(args.out)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.makedirs(out)
-    log("stage 1/4: corpus and preprocessing")
-    data, ref_file = prepare(out, args, log)
-    order, env = train_all(data, out, args, user_dir, log)
-    results, bleu_command = score_all(data, ref_file, out, order, args, user_dir, env, log)
-    print(report(out, args, results, bleu_command))
-    log("stage 4/4: plots")
-    plot(out, args, log)
+    open_out(out, args, log)
+    try:
+        with nmt_common.interruptible():
+            log("stage 1/3: corpus and preprocessing")
+            data, ref_file = prepare(out, args, log)
+            bleu_command = bleu_command_of(data, ref_file, out, args)
+            results = run_all(data, ref_file, out, args, user_dir, bleu_command, log)
+            print(report(out, args, results, bleu_command))
+            log("stage 3/3: plots")
+            plot(out, args, results, log)
+    except KeyboardInterrupt as exc:
+        done = sum(os.path.exists(result_path(out, m, s)) for m in args.methods for s in args.seeds)
+        print("\ndemo: stopped (%s); every fairseq process it started was stopped too. %d of %d runs are finished "
+              "and kept in %s. Run the same command again to finish the rest (add --restart to start over)."
+              % (exc or "interrupted", done, len(args.methods) * len(args.seeds), args.out), file=sys.stderr,
+              flush=True)
+        return 130
     me, kids = cpu_seconds()
     log("done; table in %s, plots in %s. CPU time: %.0f s (%.0f s in fairseq processes, %.0f s in this one); "
         "on 2 idle cores about %s" % (os.path.join(out, "results.md"), out, me + kids, kids, me,

@@ -279,8 +279,16 @@ def learn_bpe(train_files, code_path, num_symbols=BPE_TOKENS, joint_path=None):
         for path in train_files:
             with open(path, encoding="utf-8", newline="\n") as f:
                 shutil.copyfileobj(f, out)
-    with open(joint_path, encoding="utf-8") as fin, open(code_path, "w", encoding="utf-8") as fout:
-        _learn(fin, fout, num_symbols)  # the CLI's defaults: min frequency 2, one worker
+    import subword_nmt.learn_bpe as learn_module
+
+    # subword-nmt draws a tqdm bar over the merges on stderr, which nothing here asks for
+    bar = learn_module.tqdm
+    learn_module.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        with open(joint_path, encoding="utf-8") as fin, open(code_path, "w", encoding="utf-8") as fout:
+            _learn(fin, fout, num_symbols)  # the CLI's defaults: min frequency 2, one worker
+    finally:
+        learn_module.tqdm = bar
     return code_path
 
 

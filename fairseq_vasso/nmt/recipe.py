@@ -6,17 +6,21 @@
   decoupled weight decay), with the paper's test BLEU;
 * where the fairseq console scripts and the ``fairseq_vasso`` user-dir are;
 * ``train_command``: the recipe's fairseq-train command line for one row and seed;
-* ``run_logged``: run a fairseq command with its output in a log file, and judge
+* ``run_logged``: run a fairseq command with its output in a log file (in a process group
+  of its own, which ``interruptible()`` ends on Ctrl-C or SIGTERM), and judge
   a ``fairseq-train`` run by its log: with some torch/fairseq builds the process
   aborts at exit (rc 134, "terminate called without an active exception") after
   it logged "done training" and saved its checkpoints; such a run is a success.
 """
 
 import collections
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 
 Method = collections.namedtuple("Method", "name label paper_bleu flags")
 
@@ -108,23 +112,85 @@ def shell_join(cmd):
     return " ".join(shlex.quote(c) for c in cmd)
 
 
+class Stopped(Exception):
+    """A command was not started: Ctrl-C or SIGTERM stopped the tool (``interruptible``)."""
+
+
+_children = set()  # the process groups run_logged has running, each led by its Popen
+_children_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_children():
+    """Kills every command ``run_logged`` has running (their whole process groups, fairseq's
+    workers included) and refuses to start more (``Stopped``)."""
+    with _children_lock:
+        _stopping.set()
+        running = list(_children)
+    for proc in running:
+        _kill_group(proc)
+
+
+@contextlib.contextmanager
+def interruptible():
+    """While inside, Ctrl-C (SIGINT) and SIGTERM kill the commands run_logged started (each in
+    its own process group, so the terminal's Ctrl-C reaches only this process) and raise
+    KeyboardInterrupt in the main thread: a tool whose commands run in threads stops within
+    a second instead of waiting for them. Main thread only."""
+    def on_signal(signum, frame):
+        stop_children()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _stopping.clear()
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def run_logged(cmd, log_path, env=None, cwd=None, on_line=None):
     """Runs cmd with stdout+stderr in log_path; returns the exit status.
 
-    ``on_line(line)``, when given, sees every output line as it comes (for progress)."""
+    ``on_line(line)``, when given, sees every output line as it comes (for progress). The
+    command runs in a session of its own: an exception or interrupt while waiting for it
+    (and ``stop_children``) kills its whole process group."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("+ " + shell_join(cmd) + "\n")
         log.flush()
-        if on_line is None:
-            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                              text=True, encoding="utf-8", errors="replace") as proc:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                on_line(line)
+        pipe = on_line is not None
+        with _children_lock:
+            if _stopping.is_set():
+                raise Stopped(shell_join(cmd[:1]))
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if pipe else log, stderr=subprocess.STDOUT,
+                                    env=env, cwd=cwd, text=True, encoding="utf-8", errors="replace",
+                                    start_new_session=True)
+            _children.add(proc)
+        try:
+            if pipe:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    on_line(line)
             return proc.wait()
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            with _children_lock:
+                _children.discard(proc)
+            if pipe:
+                proc.stdout.close()
+            proc.wait()
 
 
 def train_finished(log_path):

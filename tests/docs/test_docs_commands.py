@@ -35,8 +35,8 @@ test command); the commands that need it skip without one.
 """
 
 import glob
-import os
 import hashlib
+import os
 import re
 import shlex
 import shutil

@@ -37,11 +37,19 @@ def demo_run(tmp_path_factory):
     fairseq-generate output uses this one run.
     """
     out = tmp_path_factory.mktemp("demo") / "demo"
-    proc = run_script("demo.py", "--out", out, "--train", 500, "--valid", 40, "--test", 40, "--seeds", 1, 2,
-                      "--max-update", 60, "--lr", "5e-3", "--warmup-updates", 30, "--bpe-merges", 100,
-                      "--methods", "adamw", "sam", "vasso0.4", "--embed-dim", 32, "--layers", 1,
-                      "--progress-every", 1, timeout=900)
+    proc = run_script("demo.py", "--out", out, *DEMO_ARGS, timeout=900)
     return str(out), proc.stdout, proc.stderr
+
+
+DEMO_ARGS = ["--train", 500, "--valid", 40, "--test", 40, "--seeds", 1, 2, "--max-update", 60, "--lr", "5e-3",
+             "--warmup-updates", 30, "--bpe-merges", 100, "--methods", "adamw", "sam", "vasso0.4", "--embed-dim", 32,
+             "--layers", 1, "--progress-every", 1]
+
+
+@pytest.fixture(scope="session")
+def demo_args():
+    """The arguments of demo_run's demo, but --out."""
+    return [str(a) for a in DEMO_ARGS]
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,22 @@
-"""The demo's pieces (fairseq_vasso.nmt.demo, run by scripts/demo.py) that need no training: the seeded table, the verdicts on the seed spread,
-the progress reader and the warning filter handed to child processes (the end-to-end run is in
-test_eval_bleu.py, on the shared demo_run fixture)."""
+"""The demo (fairseq_vasso.nmt.demo, run by scripts/demo.py): the seeded table, the verdicts on
+the seed spread, the progress reader and the warning filter handed to child processes, without
+training; then an interrupted demo resumed to the uninterrupted one's table (the end-to-end
+run itself is in test_eval_bleu.py, on the shared demo_run fixture)."""
 
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import process_group
 import pytest
 
 from fairseq_vasso.nmt import demo
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _results(bleus):
@@ -93,3 +101,55 @@ def test_bad_arguments_name_the_flag_before_any_work(argv, flag, capsys, tmp_pat
         demo.main(argv + ["--out", str(tmp_path / "out")])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _table(out):
+    """results.md without what differs between two folders of the same demo: the folder's own
+    path and the wall-clock column."""
+    with open(os.path.join(out, "results.md"), encoding="utf-8") as f:
+        text = f.read().replace(str(out), "OUT")
+    return re.sub(r"\| [0-9.]+ \|$", "| WALL |", text, flags=re.M)
+
+
+def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_run, demo_args, tmp_path):
+    # demo_run's finished demo, as if it had been interrupted after four of its six runs (the
+    # last two gone: one mid-training, one never started); the same command, interrupted
+    # again (SIGINT, as Ctrl-C) after one more run is scored, then run to its end, gives the
+    # table of the uninterrupted demo
+    done, _, _ = demo_run
+    out = tmp_path / "demo"
+    shutil.copytree(done, out)
+    os.remove(out / "results.md")
+    for method, seed in (("adamw", 1), ("adamw", 2)):
+        shutil.rmtree(out / "runs" / method / f"seed{seed}")
+    os.makedirs(out / "runs" / "adamw" / "seed1")
+    (out / "runs" / "adamw" / "seed1" / "train.log").write_text("+ fairseq-train ...\nepoch 001: num_updates=10\n")
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "demo.py"), "--out", str(out), *demo_args]
+    proc = process_group.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.time() + 600
+        while not any((out / "runs" / "adamw" / f"seed{s}" / "result.json").exists() for s in (1, 2)):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        stopped = time.time()
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+        assert time.time() - stopped < 10
+    finally:
+        process_group.kill_group(proc)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "5 of 6 runs are finished" in stderr and "Run the same command again" in stderr and "--restart" in stderr
+    # no fairseq process of this demo is left (each ran in its own group, killed with the demo)
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    assert str(out) not in ps, ps
+    partial = (out / "results.md").read_text(encoding="utf-8")
+    assert "**Partial: 5 of 6 runs scored.**" in partial
+    # other settings are refused before any work, naming the flag and --restart
+    refused = process_group.run(cmd + ["--max-update", "61"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--max-update 60 there, 61 here" in refused.stderr
+    assert "--restart" in refused.stderr and (out / "results.md").read_text(encoding="utf-8") == partial
+    # the same command finishes the rest: the table of the uninterrupted demo
+    again = process_group.run(cmd, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming" in again.stdout and "5 of 6 runs finished before, kept" in again.stdout
+    assert _table(out) == _table(done)
