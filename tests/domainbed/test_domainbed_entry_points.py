@@ -232,9 +232,57 @@ def test_a_dataset_that_needs_a_download_names_the_command(tmp_path, module, ext
             f"first (9,991 images, about 200 MB): .venv/bin/python -m domainbed_vasso.download --data_dir {data} PACS"
             in proc.stderr)
     assert "Traceback" not in proc.stderr and not out.exists()
+    # what a failed download used to leave: an empty folder is named as one, with the fix
     (data / "PACS").mkdir(parents=True)
     from domainbed_vasso.download import missing_dataset
+    assert "which holds 0 of its 4 domain folders: an interrupted download?" in missing_dataset("PACS", str(data))
+    fake_pacs(data / "PACS")
     assert missing_dataset("PACS", str(data)) is None and missing_dataset("Debug28", str(data)) is None
+
+
+def fake_pacs(folder, images=True):
+    """PACS's layout as DomainBed reads it (4 domains, 7 classes), one tiny file per class."""
+    for domain in ("art_painting", "cartoon", "photo", "sketch"):
+        for cls in ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person"):
+            (folder / domain / cls).mkdir(parents=True)
+            if images:
+                (folder / domain / cls / "1.jpg").write_bytes(b"\xff\xd8")
+
+
+def test_a_failed_download_leaves_nothing_and_a_finished_one_moves_into_place(tmp_path, capsys):
+    # no network: DomainBed's download function is simulated, as it behaves (stage_path makes
+    # DATA/PACS first, then the download fails; or it ends with DATA/PACS complete)
+    from domainbed_vasso import download
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def failing(data_dir):
+        os.makedirs(os.path.join(data_dir, "PACS"))
+        raise ConnectionError("Google Drive said no")
+
+    with pytest.raises(ConnectionError):
+        download.fetch("PACS", str(data), failing)
+    assert os.listdir(data) == []  # no empty PACS/, no staging folder
+
+    def truncated(data_dir):
+        fake_pacs(tmp_path / "staged" / "PACS", images=False)
+        os.rename(tmp_path / "staged" / "PACS", os.path.join(data_dir, "PACS"))
+
+    with pytest.raises(SystemExit, match="has no images in art_painting; nothing was kept"):
+        download.fetch("PACS", str(data), truncated)
+    assert os.listdir(data) == []
+
+    def working(data_dir):
+        fake_pacs(tmp_path / "kfold")
+        os.rename(tmp_path / "kfold", os.path.join(data_dir, "PACS"))
+
+    (data / "PACS").mkdir()  # an older failed download's empty folder is replaced
+    assert download.fetch("PACS", str(data), working) == str(data / "PACS")
+    assert os.listdir(data) == ["PACS"] and download.incomplete("PACS", str(data / "PACS")) is None
+    before = sorted(str(p) for p in (data / "PACS").rglob("*"))
+    download.fetch("PACS", str(data), failing)  # complete already: not downloaded again
+    assert "complete already" in capsys.readouterr().err
+    assert sorted(str(p) for p in (data / "PACS").rglob("*")) == before
 
 
 def test_download_lists_the_datasets():
