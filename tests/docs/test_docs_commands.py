@@ -779,7 +779,7 @@ def test_substitutions_and_needs_still_match():
 
 
 # the programs a documented shell command may start with: the environment's, spelled out
-_ALLOWED_PROGRAMS = {"bash", "git", "export", "source", "cd", "test", "mkdir", "ls", "cat", "echo",
+_ALLOWED_PROGRAMS = {"bash", "git", "export", "source", "cd", "test", "mkdir", "ls", "cat",
                      "srun", "sinfo", "squeue", "sbatch"}
 
 
