@@ -15,6 +15,9 @@ patches:
   one line and exit status 2, like argparse, before the task, model or data exist.
 * ``Trainer.__init__``: the same refusals for configs that never went through the
   command line (``fairseq-hydra-train``).
+* ``Trainer.load_checkpoint``: a checkpoint already at ``--max-update`` ends the run
+  (exit status 0, one line): stock fairseq would train one more update and save it over
+  the finished checkpoint, so the same command run twice changed a finished result.
 * ``train_step``: with any other optimizer it calls fairseq's own ``train_step``
   and nothing else.  With ``sam`` / ``vasso`` it runs fairseq's own ``train_step``
   too, with instance-level wrappers that are removed afterwards:
@@ -93,6 +96,8 @@ FAIRSEQ_INTERNALS = (
     ("fairseq.dataclass.utils", "gen_parser_from_dataclass"),
     ("fairseq.trainer", "Trainer.__init__"),
     ("fairseq.trainer", "Trainer.train_step"),
+    ("fairseq.trainer", "Trainer.load_checkpoint"),
+    ("fairseq.trainer", "Trainer.get_num_updates"),
     ("fairseq.trainer", "Trainer.zero_grad"),
     ("fairseq.trainer", "Trainer.optimizer"),
     ("fairseq.trainer", "Trainer.data_parallel_world_size"),
@@ -175,6 +180,7 @@ def _stock(fn):
 
 _stock_init = _stock(Trainer.__init__)
 _stock_train_step = _stock(Trainer.train_step)
+_stock_load_checkpoint = _stock(Trainer.load_checkpoint)
 _stock_parse_args_and_arch = _stock(options.parse_args_and_arch)
 
 
@@ -293,6 +299,20 @@ def _patched_init(self, cfg, *args, **kwargs):
     if optimizer_name(cfg) in OPTIMIZER_NAMES:
         check_config(cfg)
     _stock_init(self, cfg, *args, **kwargs)
+
+
+@functools.wraps(_stock_load_checkpoint)
+def _patched_load_checkpoint(self, filename, *args, **kwargs):
+    # fairseq resumed at --max-update still trains one update and saves it over the
+    # finished checkpoint: a run of the same command again must leave it as it is
+    extra_state = _stock_load_checkpoint(self, filename, *args, **kwargs)
+    max_update = _setting(self.cfg, "optimization.max_update", 0) or 0
+    if (extra_state is not None and optimizer_name(self.cfg) in OPTIMIZER_NAMES and 0 < max_update
+            <= self.get_num_updates()):
+        logger.info("%s is at update %d, --max-update %d: trained already, nothing to do (a larger "
+                    "--max-update continues it)", filename, self.get_num_updates(), max_update)
+        raise SystemExit(0)
+    return extra_state
 
 
 @functools.wraps(_stock_train_step)
@@ -532,6 +552,7 @@ PATCHES = (
     (options, "parse_args_and_arch", _patched_parse_args_and_arch),
     (Trainer, "__init__", _patched_init),
     (Trainer, "train_step", _patched_train_step),
+    (Trainer, "load_checkpoint", _patched_load_checkpoint),
 )
 
 

@@ -77,6 +77,7 @@ from plugins.lab.bench.memory import run_memory, state_table
 from plugins.lab.bench.models import FLOOR_MODEL, METHODS, MODELS, STATE_ONLY, TINY_FLOOR_MODEL, TINY_MODELS, model_info
 from plugins.lab.bench.report import machine_info, render
 from plugins.lab.bench.timing import CLOCKS, floor_ratios, interleaved_timing, scaler_ratios, summarize_timing
+from plugins.lab.tables import refuse_existing
 
 # mode -> timing repeats, updates per block, warm-up updates, memory repeats, memory updates,
 #         fairseq repeats, fairseq max-update, fairseq optimizers, two-pass floor repeats and block
@@ -174,7 +175,9 @@ def main(argv=None):
     ap.add_argument("--markdown", help="also write the report to this file")
     ap.add_argument("--json", help="also write the raw results (every block) to this file")
     ap.add_argument("--render", metavar="JSON", help="print the report of a saved --json file again (no run)")
+    ap.add_argument("--force", action="store_true", help="let --markdown and --json overwrite existing files")
     args = ap.parse_args(argv)
+    refuse_existing(ap, {"--markdown": args.markdown, "--json": None if args.render else args.json}, args.force)
 
     if args.render:
         with open(args.render, encoding="utf-8") as f:

@@ -1,4 +1,5 @@
-"""The suite's guard of the user's files: no test may write into the checkout.
+"""The suite's guard of the user's files: no test may write into the checkout. Each test
+runs in its own temporary folder (a relative output path lands there), and:
 
 At the start of a session it records every untracked file of the checkout, ignored or
 not (``runs/``, ``data/``, ``out/``, ``sweep/``, a stray ``diagnostics.png``: where a
@@ -20,6 +21,15 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEFT_OUT = ("__pycache__", ".pytest_cache")
 _LEFT_OUT_TOP = (".venv", ".git")
+
+
+@pytest.fixture(autouse=True)
+def _cwd_outside_the_checkout(tmp_path, monkeypatch):
+    """Every test runs in its own temporary folder: a relative path that a test, or a command
+    it starts, writes to (a tool's default output: runs/demo, diagnostics.png, checkpoints/)
+    lands there, never in the checkout. (Session and module fixtures are set up before this
+    and name their folders themselves.)"""
+    monkeypatch.chdir(tmp_path)
 
 
 def untracked_files(repo=REPO):

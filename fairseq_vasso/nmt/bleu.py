@@ -57,7 +57,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from plugins.lab import tables
-from plugins.lab.tables import fmt_mean_std
+from plugins.lab.tables import fmt_mean_std, refuse_existing
 
 from . import recipe as nmt
 from .recipe import METHODS
@@ -497,9 +497,7 @@ def main(argv=None):
     for method, seed, path in todo:
         if not os.path.exists(path):
             p.error("--checkpoint %s=%s: no such file (the checkpoint of %s seed %d)" % (method, path, method, seed))
-    for flag, path in (("--out", a.out), ("--json", a.json)):
-        if path and os.path.exists(path) and not a.force:
-            p.error("%s %s exists: give a new file, or --force to overwrite it" % (flag, path))
+    refuse_existing(p, {"--out": a.out, "--json": a.json}, a.force)
     start = time.time()
     lock = threading.Lock()
 

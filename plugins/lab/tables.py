@@ -1,12 +1,22 @@
 """The one mean ± std and the one markdown table writer of every tool (the demo,
-``vasso-bleu``, ``vasso-domainbed-tables``, the digits experiments, the benchmark)."""
+``vasso-bleu``, ``vasso-domainbed-tables``, the digits experiments, the benchmark), and
+their one refusal to write over a file that exists (``refuse_existing``)."""
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Iterable, Optional, Sequence, Tuple
 
 _ALIGN = {"l": ":---", "r": "---:", "c": ":---:", "-": "---"}
+
+
+def refuse_existing(parser, outputs, force):
+    """Before any work: ``parser.error`` (exit status 2) naming the first of ``outputs``
+    ({flag: path or None}) that exists, unless ``force`` (the tool's ``--force``)."""
+    for flag, path in outputs.items():
+        if path and os.path.exists(path) and not force:
+            parser.error(f"{flag} {path} exists: give a new file, or --force to overwrite it")
 
 
 def mean_std(values: Iterable[Optional[float]]) -> Tuple[Optional[float], Optional[float]]:

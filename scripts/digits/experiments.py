@@ -28,6 +28,7 @@ import sys
 import time
 
 from plugins.lab import digits as C
+from plugins.lab.tables import refuse_existing
 
 # --------------------------------------------------------------------- experiments
 
@@ -118,7 +119,8 @@ def main(argv=None):
         p.add_argument("--rho", type=float, default=rho)
         p.add_argument("--model", choices=sorted(C.MODELS), default="mlp")
         p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-        p.add_argument("--json", type=str, default=None, help="also write every run's numbers here")
+        p.add_argument("--json", type=str, default=None, help="also write every run's numbers here (a new file)")
+        p.add_argument("--force", action="store_true", help="let --json overwrite an existing file")
 
     p = sub.add_parser("labelnoise", help="paper tab.lbnoise")
     common(p, 0.2, [0, 1, 2, 3, 4], 60)
@@ -136,6 +138,7 @@ def main(argv=None):
     p.add_argument("--lanczos-iters", type=int, default=60)
 
     args = ap.parse_args(argv)
+    refuse_existing(ap, {"--json": args.json}, args.force)
     C.set_threads(args.threads)
     run = {"labelnoise": run_labelnoise, "tradeoff": run_tradeoff, "spectra": run_spectra}[args.experiment]
     t0 = time.time()

@@ -140,7 +140,7 @@ def test_memory_child_in_process():
 def test_memory_child_as_its_own_process():
     """What run_memory starts for each method: python -m plugins.lab.bench.memory, one JSON line."""
     proc = process_group.run([sys.executable, "-m", "plugins.lab.bench.memory", "many-small", "sam", "--steps", "2",
-                           "--tiny"], capture_output=True, text=True, timeout=300,
+                              "--tiny"], capture_output=True, text=True, timeout=300,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -230,3 +230,21 @@ def test_tiny_scaler_run_scales_for_real():
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     text = "\n".join(report._scaler_section({"scaler": dict(out, model_info="many-small-120 (tiny)")}))
     assert "### Loss scaling: a scaled step over an unscaled one" in text and "VASSO scaled / unscaled = " in text
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    (BENCHMARK, ["--tiny", "--quick", "--json", "EXISTING"], "--json"),
+    (BENCHMARK, ["--tiny", "--markdown", "EXISTING"], "--markdown"),
+    (os.path.join(ROOT, "scripts", "digits", "experiments.py"), ["tradeoff", "--json", "EXISTING"], "--json"),
+])
+def test_a_finished_result_is_not_overwritten_without_force(script, argv, flag, tmp_path, capsys):
+    # refused before any work, naming the file and --force (plugins.lab.tables.refuse_existing)
+    import runpy
+    existing = tmp_path / "result.json"
+    existing.write_text('{"measured": "an hour ago"}')
+    module = runpy.run_path(script)  # its main(argv), not run
+    with pytest.raises(SystemExit) as exc:
+        module["main"]([str(existing) if a == "EXISTING" else a for a in argv])
+    assert exc.value.code == 2
+    assert f"{flag} {existing} exists: give a new file, or --force to overwrite it" in capsys.readouterr().err
+    assert existing.read_text() == '{"measured": "an hour ago"}'

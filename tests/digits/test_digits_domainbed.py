@@ -83,15 +83,15 @@ def test_a_few_training_steps_through_domainbed(tmp_path):
     hp = {"mlp_width": 16, "mlp_depth": 3, "mlp_dropout": 0.0, "lr": 1e-3, "batch_size": 8}
     out = tmp_path / "run"
     process_group.run([sys.executable, "-m", "domainbed_vasso.train", "--data_dir", str(tmp_path),
-                    "--dataset", "RotatedDigits", "--algorithm", "VASSO", "--test_envs", "0", "1",
-                    "--steps", "3", "--checkpoint_freq", "2", "--output_dir", str(out),
-                    "--hparams", json.dumps(hp)], check=True, cwd=ROOT, env=env,
+                       "--dataset", "RotatedDigits", "--algorithm", "VASSO", "--test_envs", "0", "1",
+                       "--steps", "3", "--checkpoint_freq", "2", "--output_dir", str(out),
+                       "--hparams", json.dumps(hp)], check=True, cwd=tmp_path, env=env,
                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert records and records[-1]["args"]["dataset"] == "RotatedDigits"
     assert {"env0_out_acc", "env3_in_acc"} <= set(records[-1])
     assert (out / "done").exists()
     tables = process_group.run([sys.executable, "-m", "domainbed_vasso.tables", str(tmp_path),
-                             "--datasets", "RotatedDigits", "--selection", "oracle"],
-                               check=True, cwd=ROOT, env=env, capture_output=True, text=True).stdout
+                                "--datasets", "RotatedDigits", "--selection", "oracle"],
+                               check=True, cwd=tmp_path, env=env, capture_output=True, text=True).stdout
     assert "RotatedDigits" in tables and "VASSO" in tables

@@ -129,7 +129,7 @@ def test_paper_recipe_launches_the_four_datasets_with_torchvision_resnet(tmp_pat
                     OUTPUT_DIR=str(tmp_path / "sweep"), LAUNCHER="dummy", N_HPARAMS="1",
                     N_TRIALS="1", PYTHON=sys.executable)
     proc = process_group.run(["bash", os.path.join(ROOT, "scripts", "domainbed", "paper_sweep.sh"), "launch",
-                           "--skip_confirmation"], cwd=tmp_path, env=env, capture_output=True,
+                              "--skip_confirmation"], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     commands = [line[len("Dummy launcher: "):] for line in proc.stdout.splitlines()
@@ -225,7 +225,7 @@ def test_a_dataset_that_needs_a_download_names_the_command(tmp_path, module, ext
     out, data = tmp_path / "out", tmp_path / "data"
     argv = [a if a != "OUT" else str(out) for a in extra]
     proc = process_group.run([sys.executable, "-m", module, "--dataset" if module.endswith("train") else "--datasets",
-                           "PACS", "--data_dir", str(data), *argv], cwd=tmp_path,
+                              "PACS", "--data_dir", str(data), *argv], cwd=tmp_path,
                              env=clean_env(DOMAINBED_ROOT=DOMAINBED), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (f"domainbed_vasso: error: --dataset PACS reads {data / 'PACS'}, which does not exist: download it "

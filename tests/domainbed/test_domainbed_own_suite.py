@@ -66,7 +66,7 @@ def test_domainbeds_own_suite_passes_after_register(tmp_path):
     # DomainBed's per-algorithm tests saw ours: its hparams test for every (algorithm, dataset)
     # and init/update/predict on Debug28 for every algorithm (on Debug224 for VASSO)
     check = process_group.run([PY, "-c", "import json, domainbed_vasso; domainbed_vasso.register(); "
-                            "from domainbed import algorithms; print(json.dumps(algorithms.ALGORITHMS))"],
+                               "from domainbed import algorithms; print(json.dumps(algorithms.ALGORITHMS))"],
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(copy)])),
                               capture_output=True, text=True, timeout=300, check=True)
     algorithms = json.loads(check.stdout.splitlines()[-1])

@@ -5,10 +5,11 @@ collect_results tables a RotatedDigits sweep (leave-one-domain-out included)."""
 import functools
 import itertools
 import json
+import tempfile
 
 import process_group
 import pytest
-from domainbed_testlib import DOMAINBED, PY, ROOT, SKIP_REASON, env, run_all
+from domainbed_testlib import DOMAINBED, PY, SKIP_REASON, env, run_all
 
 pytestmark = pytest.mark.skipif(DOMAINBED is None, reason=SKIP_REASON)
 
@@ -20,7 +21,7 @@ def stock_lists():
     """DomainBed's DATASETS and ALGORITHMS in a process that never called register()."""
     code = ("import json; from domainbed import algorithms, datasets; "
             "print(json.dumps([datasets.DATASETS, algorithms.ALGORITHMS]))")
-    out = process_group.run([PY, "-c", code], env=env(), cwd=ROOT, capture_output=True, text=True,
+    out = process_group.run([PY, "-c", code], env=env(), cwd=tempfile.gettempdir(), capture_output=True, text=True,
                             timeout=300, check=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -71,9 +72,9 @@ def test_stock_datasets_get_domainbeds_hparams_unchanged(domainbed):
 def test_default_sweep_is_domainbeds(tmp_path):
     stock_datasets, _ = stock_lists()
     proc = process_group.run([PY, "-m", "domainbed_vasso.sweep", "launch", "--data_dir", str(tmp_path / "data"),
-                           "--output_dir", str(tmp_path / "sweep"), "--algorithms", "VASSO",
-                           "--n_hparams", "1", "--n_trials", "1", "--command_launcher", "dummy",
-                           "--skip_confirmation"], cwd=tmp_path, env=env(), capture_output=True,
+                              "--output_dir", str(tmp_path / "sweep"), "--algorithms", "VASSO",
+                              "--n_hparams", "1", "--n_trials", "1", "--command_launcher", "dummy",
+                              "--skip_confirmation"], cwd=tmp_path, env=env(), capture_output=True,
                              text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     commands = [line for line in proc.stdout.splitlines() if line.startswith("Dummy launcher: ")]

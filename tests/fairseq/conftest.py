@@ -193,13 +193,14 @@ def load_checkpoint(path):
 
 
 def run_cli(module, argv, *, env=None, timeout=300):
-    """Run ``python -m module argv`` from the repository root; returns CompletedProcess."""
+    """Run ``python -m module argv`` in the test's temporary folder (its working directory);
+    returns CompletedProcess."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
     full_env.setdefault("OMP_NUM_THREADS", "1")
     if env:
         full_env.update(env)
-    return process_group.run([sys.executable, "-m", module, *argv], cwd=str(REPO), env=full_env,
+    return process_group.run([sys.executable, "-m", module, *argv], env=full_env,
                              capture_output=True, text=True, timeout=timeout)
 
 

@@ -62,6 +62,15 @@ def test_resume_matches_uninterrupted_run(toy_data, tmp_path, fs):
                               atol=4 * stock + 1e-6)
     assert b["last_optimizer_state"]["sharpness"]["step"] == 12
 
+    # the same command once more: at --max-update already, nothing is trained or saved (stock
+    # fairseq trains one more update and saves it over the finished checkpoint)
+    last = tmp_path / "vasso" / "resumed" / "checkpoint_last.pt"
+    before = last.read_bytes()
+    with pytest.raises(SystemExit) as exc:
+        fs.train(fs.model_args(toy_data, tmp_path / "vasso" / "resumed", optimizer="vasso", max_update=12,
+                               extra=extra))
+    assert exc.value.code == 0 and last.read_bytes() == before
+
 
 def test_checkpoints_load_with_weights_only_and_generate_reads_them(toy_data, tmp_path, fs):
     fs.train(fs.model_args(toy_data, tmp_path, max_update=4, extra=["--rho", "0.1"]))

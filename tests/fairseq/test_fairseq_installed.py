@@ -18,12 +18,12 @@ except ImportError as exc:  # not installed, or broken against this torch
 def test_installed_user_dir_trains_outside_the_repo(toy_data, tmp_path, fs):
     target = tmp_path / "site"
     pip = process_group.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                          "--no-index", "--target", str(target), str(fs.REPO)], capture_output=True, text=True)
+                             "--no-index", "--target", str(target), str(fs.REPO)], capture_output=True, text=True)
     if pip.returncode != 0:
         pytest.skip(f"cannot build the package here: {pip.stderr[-500:]}")
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
     where = process_group.run([sys.executable, "-c", "import fairseq_vasso, os; print(os.path.dirname(fairseq_vasso.__file__))"],
-                              cwd=str(tmp_path), env=env, capture_output=True, text=True)
+                             cwd=str(tmp_path), env=env, capture_output=True, text=True)
     user_dir = where.stdout.strip()
     assert user_dir == str(target / "fairseq_vasso"), where.stderr[-1000:]
     argv = fs.model_args(toy_data, tmp_path / "ck", max_update=3, extra=["--rho", "0.1", "--log-format", "simple"])

@@ -5,6 +5,7 @@ as ``python -m MODULE``; library code is imported from the installed packages.""
 import os
 import subprocess
 import sys
+import tempfile
 
 import process_group
 import pytest
@@ -15,12 +16,16 @@ SCRIPTS = os.path.join(REPO, "scripts")
 
 def run_script(name, *args, timeout=600, cwd=None, check=True):
     """Runs scripts/NAME (a path ending in .py) or the module NAME (``python -m``) with this
-    Python; returns the CompletedProcess (text)."""
+    Python, in ``cwd`` (default: a new temporary folder, never the checkout); returns the
+    CompletedProcess (text)."""
+    if cwd is None:
+        with tempfile.TemporaryDirectory(prefix="run-script-") as tmp:
+            return run_script(name, *args, timeout=timeout, cwd=tmp, check=check)
     target = [os.path.join(SCRIPTS, name)] if name.endswith(".py") else ["-m", name]
     # stderr apart: fairseq's import warnings must not mix with what the tests parse
     proc = process_group.run([sys.executable] + target + [str(a) for a in args],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
-                             cwd=cwd or REPO)
+                             cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError("%s %s exited %d:\n%s\n%s" % (name, " ".join(map(str, args)), proc.returncode,
                                                            proc.stdout[-4000:], proc.stderr[-4000:]))
@@ -37,7 +42,7 @@ def demo_run(tmp_path_factory):
     fairseq-generate output uses this one run.
     """
     out = tmp_path_factory.mktemp("demo") / "demo"
-    proc = run_script("demo.py", "--out", out, *DEMO_ARGS, timeout=900)
+    proc = run_script("demo.py", "--out", out, *DEMO_ARGS, timeout=900, cwd=out.parent)  # as a user would: beside it
     return str(out), proc.stdout, proc.stderr
 
 

@@ -225,11 +225,12 @@ def test_the_printed_vasso_bleu_command_reproduces_the_demo_table_without_overwr
     with open(demo_output, "rb") as f:
         before = f.read()
     mtime = os.stat(demo_output).st_mtime_ns
-    # run by hand, from where the demo ran (tests/scripts/conftest.py: the repository)
+    # run by hand, from where the demo ran (tests/scripts/conftest.py: the folder of its --out)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo] + [p for p in os.environ.get("PYTHONPATH", "").split(
         os.pathsep) if p]))  # the code under test, also in the console script
-    proc = process_group.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+    proc = process_group.run(["bash", "-c", command], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=os.path.dirname(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip().strip("|").split("|")]
             for l in proc.stdout.splitlines() if l.startswith("| ") and not l.startswith("| Method")}

@@ -9,7 +9,6 @@ import time
 import process_group
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 # Debug28: 3 environments, 13 training examples each (DomainBed's loader hangs on a batch above 13)
 HPARAMS = json.dumps({"batch_size": 8})
@@ -20,7 +19,7 @@ WAIT_S = 900
 def run(args, env, **extra):
     e = dict(env)
     e.update(extra)
-    return process_group.run(args, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    return process_group.run(args, env=e, capture_output=True, text=True, timeout=600)  # in the test's tmp_path
 
 
 def sweep(command, out, env, *flags, **extra_env):
