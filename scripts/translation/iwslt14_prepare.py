@@ -17,6 +17,7 @@ Usage::
 
 import argparse
 import os
+import shutil
 
 from fairseq_vasso.nmt import iwslt14
 
@@ -35,7 +36,13 @@ def main(argv=None):
     p.add_argument("--separate-dictionaries", action="store_true",
                    help="binarize without --joined-dictionary (fairseq README's variant)")
     p.add_argument("--skip-binarize", action="store_true", help="stop after BPE (no fairseq needed)")
+    p.add_argument("--force", action="store_true", help="replace a binarized corpus already in --destdir")
     a = p.parse_args(argv)
+    done = [d for d in ("dict.%s.txt" % iwslt14.SRC, "dict.%s.txt" % iwslt14.TGT)
+            if os.path.exists(os.path.join(a.destdir, d))]
+    if done and not a.skip_binarize and not a.force:  # fairseq-preprocess would refuse it after all the work
+        p.error("--destdir %s holds a binarized corpus already (%s): give another --destdir, or --force to "
+                "replace it" % (a.destdir, ", ".join(done)))
 
     orig = os.path.join(a.workdir, "orig")
     if a.raw_dir:
@@ -47,6 +54,8 @@ def main(argv=None):
     prep = os.path.join(a.workdir, "iwslt14.tokenized.%s" % iwslt14.LANG)
     iwslt14.prepare_text(raw_dir, prep, a.bpe_tokens, a.threads, log=lambda m: print(m, flush=True))
     if not a.skip_binarize:
+        if done:  # --force
+            shutil.rmtree(a.destdir)
         iwslt14.binarize(prep, a.destdir, workers=a.workers, joined=not a.separate_dictionaries)
         print("binarized data in %s" % a.destdir)
 

@@ -97,6 +97,12 @@ def test_pipeline_from_raw_dir_to_binarized(tmp_path, script):
     assert dataset_size(str(dest), "valid") == 3
     assert dataset_size(str(dest), "test") == 25
 
+    # the same command again: refused before any work, naming --destdir and --force
+    again = script(os.path.join("translation", "iwslt14_prepare.py"), "--raw-dir", raw, "--workdir", work,
+                   "--destdir", dest, "--bpe-tokens", 40, check=False)
+    assert again.returncode == 2 and f"--destdir {dest} holds a binarized corpus already" in again.stderr
+    assert "--force" in again.stderr and "pre-processing" not in again.stdout
+
 
 def test_archive_extract_without_binarize(tmp_path, script):
     raw = write_raw_dir(str(tmp_path / "src"), talks=2)
