@@ -157,14 +157,15 @@ def interruptible():
             signal.signal(sig, handler)
 
 
-def run_logged(cmd, log_path, env=None, cwd=None, on_line=None):
-    """Runs cmd with stdout+stderr in log_path; returns the exit status.
+def run_logged(cmd, log_path, env=None, cwd=None, on_line=None, append=False):
+    """Runs cmd with stdout+stderr in log_path (after what it holds, with ``append``);
+    returns the exit status.
 
     ``on_line(line)``, when given, sees every output line as it comes (for progress). The
     command runs in a session of its own: an exception or interrupt while waiting for it
     (and ``stop_children``) kills its whole process group."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(log_path, "a" if append else "w", encoding="utf-8") as log:
         log.write("+ " + shell_join(cmd) + "\n")
         log.flush()
         pipe = on_line is not None

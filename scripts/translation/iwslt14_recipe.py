@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--max-update", type=int, default=None, help="fairseq-train --max-update")
     p.add_argument("--user-dir", default=None, help="fairseq_vasso folder (default: the repository's or installed one)")
     p.add_argument("--eval-bleu", action="store_true", help="choose checkpoint_best.pt by validation BLEU (fairseq README)")
-    p.add_argument("--skip-existing", action="store_true", help="skip runs whose train.log says 'done training'")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="kept for old command lines: runs whose train.log says 'done training' are always skipped")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     a = p.parse_args(argv)
     a.extra = extra
@@ -80,12 +81,13 @@ def main(argv=None):
     failed = []
     for method, seed, save_dir, cmd in jobs:
         log = os.path.join(save_dir, "train.log")
-        if a.skip_existing and nmt.train_finished(log):
-            print("skip %s seed %d: %s says done training" % (method, seed, log), flush=True)
+        if nmt.train_finished(log):  # a finished run's log and checkpoints are never rewritten
+            print("skip %s seed %d: %s says done training (remove %s to train it again)"
+                  % (method, seed, log, save_dir), flush=True)
             continue
         start = time.time()
         print("train %s seed %d -> %s" % (method, seed, save_dir), flush=True)
-        rc = nmt.run_logged(cmd, log)
+        rc = nmt.run_logged(cmd, log, append=True)  # an interrupted run resumes: its log goes on
         ok, note = nmt.judge_train(rc, log)
         print("  %s (%.0f s)" % (note, time.time() - start), flush=True)
         if not ok:

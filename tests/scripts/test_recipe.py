@@ -110,3 +110,23 @@ def test_judge_train_by_log(tmp_path):
     log.write_text("Traceback (most recent call last):\n")
     ok, note = nmt_common.judge_train(1, str(log))
     assert not ok and "exit status 1" in note
+
+
+def test_a_finished_run_is_skipped_and_an_interrupted_one_resumes_its_log(script, tmp_path):
+    # run again, the recipe leaves a finished run's log and checkpoints as they are; the
+    # others resume (fairseq: from checkpoint_last.pt) with their log going on
+    runs = tmp_path / "runs"
+    finished = runs / "adamw" / "seed1"
+    finished.mkdir(parents=True)
+    (finished / "train.log").write_text("epoch 050 | ... \ndone training in 3600.0 seconds\n")
+    (finished / "checkpoint_last.pt").write_bytes(b"fifty epochs")
+    before = {p.name: p.read_bytes() for p in finished.iterdir()}
+    out = script(os.path.join("translation", "iwslt14_recipe.py"), "--runs", runs, "--methods", "adamw",
+                 "--seeds", 1, "--data", tmp_path / "no-data").stdout
+    assert f"skip adamw seed 1: {finished / 'train.log'} says done training" in out
+    assert {p.name: p.read_bytes() for p in finished.iterdir()} == before
+    log = tmp_path / "resumed.log"
+    log.write_text("the first half of an interrupted run\n")
+    assert nmt_common.run_logged([sys.executable, "-c", "print('the rest')"], str(log), append=True) == 0
+    assert log.read_text().splitlines()[0] == "the first half of an interrupted run"
+    assert log.read_text().splitlines()[-1] == "the rest"
