@@ -14,13 +14,9 @@ or a sweep of theirs writes into the same checkout.
 """
 
 import os
-import subprocess
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEFT_OUT = ("__pycache__", ".pytest_cache")
-_LEFT_OUT_TOP = (".venv", ".git")
+from checkout import REPO, changes, untracked_files
 
 
 @pytest.fixture(autouse=True)
@@ -30,38 +26,6 @@ def _cwd_outside_the_checkout(tmp_path, monkeypatch):
     lands there, never in the checkout. (Session and module fixtures are set up before this
     and name their folders themselves.)"""
     monkeypatch.chdir(tmp_path)
-
-
-def untracked_files(repo=REPO):
-    """{path relative to ``repo``: (size, mtime_ns)} of its untracked files, ignored ones
-    included; {} when ``repo`` is not a git checkout."""
-    try:
-        out = subprocess.run(["git", "-C", repo, "ls-files", "-z", "--others", "--", "."]
-                             + [f":(exclude){name}" for name in _LEFT_OUT_TOP],
-                             capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    if out.returncode != 0:
-        return {}
-    files = {}
-    for rel in out.stdout.split("\0"):
-        parts = rel.split("/")
-        if not rel or any(p in LEFT_OUT or p.endswith(".egg-info") for p in parts) or rel.endswith(".pyc"):
-            continue
-        try:
-            st = os.lstat(os.path.join(repo, rel))
-        except FileNotFoundError:
-            continue
-        files[rel] = (st.st_size, st.st_mtime_ns)
-    return files
-
-
-def changes(before, after):
-    """Lines naming the files created, changed or removed between two ``untracked_files``."""
-    lines = [f"created: {p}" for p in sorted(set(after) - set(before))]
-    lines += [f"changed: {p}" for p in sorted(set(after) & set(before)) if after[p] != before[p]]
-    lines += [f"removed: {p}" for p in sorted(set(before) - set(after))]
-    return lines
 
 
 def pytest_sessionstart(session):

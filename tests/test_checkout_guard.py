@@ -3,7 +3,7 @@
 import subprocess
 
 import process_group
-from conftest import changes, untracked_files
+from checkout import changes, untracked_files
 
 
 def test_guard_lists_files_created_changed_and_removed_in_ignored_folders(tmp_path):

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import process_group
 import pytest
+from checkout import clone_files, copy_clone
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO)
@@ -543,20 +544,10 @@ def _venv():
     return sys.prefix
 
 
-def clone_files(repo=None):
-    """The files a clone of ``repo`` holds, relative to it: those git tracks and the new ones it
-    does not ignore (never ``runs/``, ``data/``, ``out/`` or any other output folder)."""
-    out = subprocess.run(["git", "-C", repo or REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         capture_output=True, text=True, check=True).stdout
-    return sorted({p for p in out.split("\0") if p and os.path.isfile(os.path.join(repo or REPO, p))})
-
-
-def make_workspace(ws, repo=None):
-    """Copies ``clone_files(repo)`` into the folder ``ws`` (copies, not links: a command that
-    writes to a documented path writes into the workspace) and links ``.venv``."""
-    for rel in clone_files(repo):
-        os.makedirs(os.path.join(ws, os.path.dirname(rel)), exist_ok=True)
-        shutil.copy2(os.path.join(repo or REPO, rel), os.path.join(ws, rel))
+def make_workspace(ws, repo=REPO):
+    """Copies what a clone of ``repo`` holds into the folder ``ws`` (copies, not links: a
+    command that writes to a documented path writes into the workspace) and links ``.venv``."""
+    copy_clone(ws, repo)
     os.symlink(_venv(), os.path.join(ws, ".venv"))
 
 

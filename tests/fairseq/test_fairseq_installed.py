@@ -7,6 +7,7 @@ import sys
 
 import process_group
 import pytest
+from checkout import copy_clone
 
 try:
     import fairseq  # noqa: F401
@@ -17,8 +18,10 @@ except ImportError as exc:  # not installed, or broken against this torch
 
 def test_installed_user_dir_trains_outside_the_repo(toy_data, tmp_path, fs):
     target = tmp_path / "site"
+    # from a copy of the clone: pip builds in the source folder (build/, *.egg-info)
+    source = copy_clone(str(tmp_path / "clone"), str(fs.REPO))
     pip = process_group.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                             "--no-index", "--target", str(target), str(fs.REPO)], capture_output=True, text=True)
+                             "--no-index", "--target", str(target), source], capture_output=True, text=True)
     if pip.returncode != 0:
         pytest.skip(f"cannot build the package here: {pip.stderr[-500:]}")
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
