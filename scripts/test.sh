@@ -4,11 +4,10 @@
 # DomainBed tests need a DomainBed checkout: DOMAINBED_ROOT, else ../shared/DomainBed
 # beside the repository (as CI has it), else one installed by
 # `bash scripts/setup_env.sh --with-domainbed`; without any, they skip and say so.
-# DOMAINBED_ROOT= (set, empty) tests the installed one only, as CI does in its last stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-if [ -z "${DOMAINBED_ROOT+set}" ] && [ -f ../shared/DomainBed/domainbed/__init__.py ]; then
+if [ -z "${DOMAINBED_ROOT:-}" ] && [ -f ../shared/DomainBed/domainbed/__init__.py ]; then
     DOMAINBED_ROOT=$(cd ../shared/DomainBed && pwd)
     export DOMAINBED_ROOT
     echo "DomainBed tests use DOMAINBED_ROOT=$DOMAINBED_ROOT"
