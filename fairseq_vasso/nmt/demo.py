@@ -203,14 +203,14 @@ def open_out(out, args, log):
     flag = lambda key: "--" + key.replace("_", "-")  # noqa: E731
     settings = settings_of(args)
     manifest = os.path.join(out, "demo.json")
+    if os.path.exists(out) and os.listdir(out) and read_json(manifest) is None:
+        _refuse("--out %s exists and holds no demo (no demo.json; a demo of an older version, or other files): "
+                "give another --out, or remove it yourself (--restart removes only a demo's folder)" % out)
     if args.restart and os.path.exists(out):
         log("--restart: removing %s" % out)
         shutil.rmtree(out)
     if os.path.exists(out) and os.listdir(out):
         recorded = read_json(manifest)
-        if recorded is None:
-            _refuse("--out %s exists and holds no demo (no demo.json): give another --out, or --restart to "
-                    "remove it and start over" % out)
         recorded = recorded.get("settings", {})
         differ = [key for key in SETTINGS if recorded.get(key) != settings[key]]
         if differ:

@@ -121,7 +121,7 @@ def _training(log):
     return "epoch 001: num_updates=10" not in text and "| INFO |" in text
 
 
-def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_run, demo_args, tmp_path):
+def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_run, demo_args, tmp_path, capsys):
     # demo_run's finished demo, as if it had been interrupted before its last run finished
     # (the run's folder holds a partial log); the same command, interrupted again (SIGINT,
     # as Ctrl-C) while that run trains, then run to its end, gives the uninterrupted table
@@ -154,12 +154,24 @@ def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_ru
     assert not (last / "result.json").exists()
     partial = (out / "results.md").read_text(encoding="utf-8") if (out / "results.md").exists() else None
     # other settings are refused before any work, naming the flag and --restart
-    refused = process_group.run(cmd + ["--max-update", "61"], capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "--max-update 60 there, 61 here" in refused.stderr
-    assert "--restart" in refused.stderr and not (last / "result.json").exists()
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--out", str(out), *demo_args, "--max-update", "61"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--max-update 60 there, 61 here" in err and "--restart" in err
+    assert not (last / "result.json").exists()
     assert partial is None or (out / "results.md").read_text(encoding="utf-8") == partial
     # the same command finishes the rest: the table of the uninterrupted demo
     again = process_group.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming" in again.stdout and "5 of 6 runs finished before, kept" in again.stdout
     assert _table(out) == _table(done)
+
+
+def test_out_that_holds_no_demo_is_refused_even_with_restart(tmp_path, capsys):
+    # --restart removes a demo's folder only: never a folder of the user's other files
+    (tmp_path / "thesis.tex").write_text("two years of work")
+    for extra in ([], ["--restart"]):
+        with pytest.raises(SystemExit) as exc:
+            demo.main(["--out", str(tmp_path), "--seeds", "1"] + extra)
+        assert exc.value.code == 2 and "holds no demo (no demo.json" in capsys.readouterr().err
+    assert (tmp_path / "thesis.tex").read_text() == "two years of work"
