@@ -505,8 +505,15 @@ def main(argv=None):
         with lock:
             print("[%5.0f s] %s" % (time.time() - start, msg), flush=True)
 
-    results = score(a.data, todo, subset=a.subset, beam=a.beam, batch_size=a.batch_size, user_dir=a.user_dir,
-                    cpu=a.cpu, lang=a.lang, ref_file=a.ref_file, extra=extra, jobs=a.jobs, say=say)
+    try:
+        with nmt.interruptible():  # Ctrl-C: every fairseq-generate stops with vasso-bleu
+            results = score(a.data, todo, subset=a.subset, beam=a.beam, batch_size=a.batch_size,
+                            user_dir=a.user_dir, cpu=a.cpu, lang=a.lang, ref_file=a.ref_file, extra=extra,
+                            jobs=a.jobs, say=say)
+    except KeyboardInterrupt as exc:
+        print("vasso-bleu: stopped (%s), with every fairseq-generate it started; nothing was written but the "
+              "new generate-test folders" % (exc or "interrupted"), file=sys.stderr)
+        return 130
     table = markdown_table(results, paper_column=not a.no_paper, title=a.title)
     note = ("\nfairseq BLEU: tokenized BLEU4 from fairseq-generate --beam %d --remove-bpe%s; sacreBLEU: %s on "
             "Moses-detokenized text.\n" % (a.beam, " " + a.generate_args if a.generate_args else "",
