@@ -763,7 +763,8 @@ def _params():
 def test_documented_command(cmd, workspace):
     how = COMMANDS[cmd.key]
     if how.domainbed and DOMAINBED is None:
-        pytest.skip("needs DomainBed: set DOMAINBED_ROOT to a DomainBed checkout")
+        from domainbed_vasso._locate import NOT_IMPORTABLE
+        pytest.skip(NOT_IMPORTABLE)
     script, rc, out = execute(cmd, workspace)
     label = {"run": "run as written", "substitute": f"run with substitutions ({how.why})",
              "check": f"checked only ({how.why})"}[how.kind]

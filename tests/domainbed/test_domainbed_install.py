@@ -144,3 +144,28 @@ def test_setup_env_refuses_an_unknown_argument():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "unknown argument --with-domainbd" in proc.stderr
+
+
+def test_one_message_for_a_missing_domainbed_in_every_test_folder():
+    """Every test that skips without DomainBed, and scripts/compat.sh, say the same thing,
+    defined once in domainbed_vasso._locate, naming both ways to get it."""
+    from domainbed_vasso._locate import NOT_IMPORTABLE
+
+    assert "bash scripts/setup_env.sh --with-domainbed" in NOT_IMPORTABLE and "DOMAINBED_ROOT=" in NOT_IMPORTABLE
+    users, own = [], []
+    for folder in ("tests", "scripts"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if name.endswith((".py", ".sh")):
+                    path = os.path.join(dirpath, name)
+                    with open(path, encoding="utf-8") as f:
+                        text = f.read()
+                    rel = os.path.relpath(path, ROOT)
+                    if "NOT_IMPORTABLE" in text:
+                        users.append(rel)
+                    if "DomainBed not importable" in text and not rel.endswith("test_domainbed_install.py"):
+                        own.append(rel)
+    assert not own, f"a message of their own for a missing DomainBed: {own}"
+    for rel in ("tests/domainbed/domainbed_testlib.py", "tests/digits/test_digits_domainbed.py",
+                "tests/slurm/conftest.py", "tests/docs/test_docs_commands.py", "scripts/compat.sh"):
+        assert rel in users, rel
