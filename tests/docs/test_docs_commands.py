@@ -202,7 +202,7 @@ COMMANDS = classified(
     (DOMAINBED_TRAIN, check_only(GPU_DOMAINBED, domainbed=True, expect=("--test_envs",))),
     (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
      "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
-     "--command_launcher local",
+     "--command_launcher slurm",
      check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
     (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
 
