@@ -23,6 +23,15 @@ TESTED_COMMIT = "b93c22a1cfc3b2428398272c1a116c8de1f4139e"
 REQUIREMENTS = ("numpy", "torch")
 
 
+#: How to get DomainBed, in one line: what every test that needs it says when it skips,
+#: and what scripts/compat.sh says when it stops (``domainbed_root()``'s error says more).
+NOT_IMPORTABLE = (
+    f"DomainBed not importable: install it into .venv with `bash scripts/setup_env.sh --with-domainbed` "
+    f"(at the tested commit {TESTED_COMMIT[:7]}; `--with-domainbed=/path/to/DomainBed` for a copy you have), "
+    f"or set {ENV_ROOT}=/path/to/DomainBed (a checkout at {TESTED_COMMIT[:7]}); scripts/test.sh uses "
+    "../shared/DomainBed beside the repository when neither is there")
+
+
 class DomainBedNotFound(ImportError):
     """DomainBed cannot be imported; the message says how to fix it."""
 

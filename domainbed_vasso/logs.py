@@ -8,6 +8,11 @@ import json
 import os
 from typing import Dict, List, Optional
 
+from plugins.lab.runs import Run, label_for, series
+
+#: what ``vasso-plot`` (``plugins.lab.runs.load_run``) looks for in a run's folder
+FILE_NAMES = ("results.jsonl",)
+
 
 def _number(v):
     """ints (``step``) and floats alike as float; everything else as it is."""
@@ -25,11 +30,14 @@ def read_records(path: str) -> List[Dict[str, object]]:
     return records
 
 
-def load_run(path: str, label: Optional[str] = None):
-    """A results.jsonl as a :class:`plugins.lab.plot.diagnostics.Run` over ``step``,
-    labelled from its algorithm and hparams."""
-    from plugins.lab.plot.diagnostics import Run, label_for, series
+def claims(path: str, first_line: str) -> bool:
+    """A .jsonl file, or one whose first line is a JSON record with a ``step``."""
+    return path.endswith(".jsonl") or (first_line.startswith("{") and '"step"' in first_line)
 
+
+def load_run(path: str, label: Optional[str] = None) -> Run:
+    """A results.jsonl as a :class:`plugins.lab.runs.Run` over ``step``, labelled from
+    its algorithm and hparams."""
     records = read_records(path)
     meta: Dict[str, object] = {}
     if records:

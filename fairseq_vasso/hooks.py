@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -164,7 +165,7 @@ from fairseq.trainer import Trainer  # noqa: E402
 from plugins import rng_state  # noqa: E402
 from plugins.perturbation import global_norm  # noqa: E402
 
-from .optimizer import CONFIGS, FairseqSharpnessAware, check_flags  # noqa: E402
+from .optimizer import CONFIGS, FairseqSharpnessAware, check_flags, flag  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -262,10 +263,29 @@ def _requested_optimizer(args):
     return name
 
 
+def _misplaced_flag(argv, requested):
+    """One line for a flag of another of our optimizers given to ``requested``
+    (``--optimizer sam --theta 0.4``), which argparse would report after the whole usage
+    text as an unrecognized argument; None when there is none."""
+    if requested not in CONFIGS:
+        return None
+    flags = {name: {flag(f.name) for f in dataclasses.fields(config)} for name, config in CONFIGS.items()}
+    for arg in argv:
+        given = arg.split("=", 1)[0]
+        owners = [name for name in CONFIGS if given in flags[name]]
+        if owners and requested not in owners:
+            return (f"{given} is a flag of --optimizer {' and '.join(owners)} only, not of --optimizer "
+                    f"{requested} (drop it, or use --optimizer {owners[0]})")
+    return None
+
+
 @functools.wraps(_stock_parse_args_and_arch)
 def _patched_parse_args_and_arch(parser, input_args=None, *args, **kwargs):
     argv = list(sys.argv[1:] if input_args is None else input_args)
     requested = _requested_optimizer(argv)
+    misplaced = _misplaced_flag(argv, requested)
+    if misplaced is not None:  # one line, as the DomainBed side names another algorithm's hparam
+        parser.exit(2, f"{parser.prog}: error: {misplaced}\n")
     if requested in CONFIGS and {"-h", "--help"} & set(argv):
         # fairseq prints --help before any optimizer added its flags: add ours first
         from fairseq.dataclass.utils import gen_parser_from_dataclass

@@ -314,7 +314,7 @@ class SharpnessAware(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the explicit API
 
     @torch.no_grad()
-    def perturb(self, scaler=None) -> bool:
+    def perturb(self, scaler=None, *, loss=None) -> bool:
         """First half of a step: read ``g_t`` from ``.grad`` and move to ``x_t + eps_t``.
 
         Returns True when the caller must now clear the gradients and run the second
@@ -327,6 +327,9 @@ class SharpnessAware(torch.optim.Optimizer):
         (``scaler.scale(loss).backward()``).  ``g_t`` is unscaled on the device before
         anything uses it, and the step is finished by ``scaler.step(opt)`` instead of
         :meth:`descend` (``docs/mixed_precision.md``).  None or a disabled scaler: no scaling.
+
+        ``loss``: the first pass's loss (optional); handed over with the second's to
+        :meth:`descend` it gives ``diagnostics["loss_gap"]``, as ``step(closure)`` records it.
         """
         if self._pending is not None:
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
@@ -404,7 +407,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
         self._pending = {"kind": "perturbed", "lists": lists, "slopes": slopes, "scale": scale,
                          "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True,
-                         "scaled": scaled}
+                         "scaled": scaled, "first_loss": loss.detach() if torch.is_tensor(loss) else loss}
         return True
 
     def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
@@ -500,20 +503,30 @@ class SharpnessAware(torch.optim.Optimizer):
         self._pending = None
         self.in_second_pass = False
 
-    def descend(self) -> bool:
+    def descend(self, *, loss=None) -> bool:
         """Second half of a step: restore ``x_t`` and let the base optimizer step.
 
         The base step uses ``h_t`` from ``.grad`` after a second pass (GSAM-corrected
         when ``gsam_alpha > 0``), else ``g_t``.  Returns True iff a base step was
         taken; a non-finite ``g_t`` or ``h_t`` skips it (with a warning).  A step
-        started with ``perturb(scaler=...)`` is finished by ``scaler.step(opt)``.
+        started with ``perturb(scaler=...)`` is finished by ``scaler.step(opt)``
+        (``scaler.step(opt, loss=second)``).  ``loss``: the second pass's loss, for
+        ``diagnostics["loss_gap"]`` when :meth:`perturb` got the first's.
         """
         pending = self._pending
         if pending is None:
             raise RuntimeError("descend() without perturb(): call perturb() after the first backward")
         if pending["scaled"]:
             raise RuntimeError(_SCALED_STEP)
+        self._record_loss_gap(loss)
         return self._descend()
+
+    def _record_loss_gap(self, second) -> None:
+        """``loss_gap`` of the step in flight from the losses the explicit API was handed."""
+        pending = self._pending
+        if (second is not None and pending is not None and pending["kind"] == "perturbed"
+                and pending["first_loss"] is not None):
+            self.diagnostics["loss_gap"] = _loss_gap(pending["first_loss"], second)
 
     @torch.no_grad()
     def _descend(self, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
@@ -607,7 +620,7 @@ class SharpnessAware(torch.optim.Optimizer):
             for q in group["params"]:
                 q.grad = None
 
-    def first_step(self, zero_grad: bool = False) -> bool:
+    def first_step(self, zero_grad: bool = False, *, loss=None) -> bool:
         """:meth:`perturb` under the name davda54/sam, pytorch_optimizer and the official
         VaSSO code use: ascend from the gradients in ``.grad``; ``zero_grad=True`` clears
         them afterwards.  Returns whether the second pass is wanted (False when the
@@ -617,8 +630,9 @@ class SharpnessAware(torch.optim.Optimizer):
         :meth:`second_step` then ignores that pass's gradients and steps with ``g_t``,
         which is kept for it on skipped steps: the ``.grad`` tensors themselves with
         ``zero_grad=True`` (no copy), else a copy of them, until :meth:`second_step`.
+        ``loss``: the first pass's loss, for ``loss_gap`` (as in :meth:`perturb`).
         """
-        wanted = self.perturb()
+        wanted = self.perturb(loss=loss)
         pending = self._pending
         if pending["kind"] == "first_gradient":  # the coin skipped: keep g_t for second_step
             params = self._step_lists().params
@@ -627,10 +641,11 @@ class SharpnessAware(torch.optim.Optimizer):
             self.zero_grad()
         return wanted
 
-    def second_step(self, zero_grad: bool = False) -> bool:
+    def second_step(self, zero_grad: bool = False, *, loss=None) -> bool:
         """:meth:`descend` under the ecosystem's name: back to ``x_t``, base step with
         the gradients in ``.grad`` (``g_t`` when :meth:`first_step` returned False);
-        ``zero_grad=True`` clears them afterwards.  Returns True iff a base step was taken."""
+        ``zero_grad=True`` clears them afterwards.  Returns True iff a base step was taken.
+        ``loss``: the second pass's loss, for ``loss_gap`` (as in :meth:`descend`)."""
         pending = self._pending
         if pending is None:
             raise RuntimeError("second_step() without first_step(): call first_step() after the first backward")
@@ -639,7 +654,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self._drop_grads()
             for q, g in zip(*kept):
                 q.grad = g
-        taken = self.descend()
+        taken = self.descend(loss=loss)
         if zero_grad:
             self.zero_grad()
         return taken
@@ -651,7 +666,8 @@ class SharpnessAware(torch.optim.Optimizer):
     # themselves), so that the one overflow decision is the scaler's and costs no host sync there.
     _step_supports_amp_scaling = True
 
-    def step(self, closure: Closure = None, model: Optional[torch.nn.Module] = None, scaler=None):
+    def step(self, closure: Closure = None, model: Optional[torch.nn.Module] = None, scaler=None, *, loss=None,
+             **unexpected):
         """One full step.  ``closure`` computes the loss, calls ``backward()`` and
         returns the loss; it runs at ``x_t`` and, unless the coin skips, at
         ``x_t + eps_t`` inside :meth:`second_pass` (the same RNG state, so the same
@@ -669,10 +685,16 @@ class SharpnessAware(torch.optim.Optimizer):
 
         Without a closure, ``step()`` finishes the step :meth:`perturb` started, as
         :meth:`descend` does: this is what ``scaler.step(opt)`` calls in the explicit
-        API.  It then returns True iff a base step was taken.
+        API.  It then returns True iff a base step was taken, and takes the second
+        pass's ``loss`` as :meth:`descend` does (``scaler.step(opt, loss=second)``).
         """
+        if unexpected:  # the official VaSSO loop's epoch=, step=, ...: refused, with the port
+            raise TypeError(_unexpected_step_arguments(type(self).__name__, unexpected))
         if closure is None:
-            return self._finish_step()
+            return self._finish_step(loss)
+        if loss is not None:
+            raise TypeError(f"{type(self).__name__}.step(closure, loss=...): the closure returns the losses; "
+                            "loss= is for step() without a closure (scaler.step(opt, loss=second))")
         rng = P.rng_state()
         self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t
         with torch.enable_grad():
@@ -694,7 +716,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self.descend()
         return loss
 
-    def _finish_step(self) -> bool:
+    def _finish_step(self, loss=None) -> bool:
         """``step()`` without a closure: the explicit API's descend, directly or through
         ``scaler.step(opt)`` (which sets ``found_inf`` and ``grad_scale`` around the call)."""
         found_inf = self.__dict__.get("found_inf")
@@ -716,6 +738,7 @@ class SharpnessAware(torch.optim.Optimizer):
             self.__dict__.pop("found_inf", None)
             self.__dict__.pop("grad_scale", None)
             raise RuntimeError(problem)
+        self._record_loss_gap(loss)
         return self._descend(grad_scale, found_inf)
 
     # ------------------------------------------------------------------ state
@@ -829,6 +852,16 @@ def _loss_scale(scaler, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     device = grads[0].device if grads else torch.device("cpu")
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+
+
+def _unexpected_step_arguments(cls: str, unexpected: Dict[str, Any]) -> str:
+    names = ", ".join(f"{k}=" for k in unexpected)
+    return (f"{cls}.step() got unexpected keyword arguments {names} (it takes closure, model=, scaler= "
+            "and loss=). "
+            "A loop written for the official VaSSO code or davda54/sam ports in one of two ways: "
+            "call first_step(zero_grad=True) after the first backward and second_step(zero_grad=True) "
+            "after the second, or pass a torch-style closure (it clears the gradients, computes the loss "
+            "and calls backward()) as step(closure, model=model); see docs/migration.md")
 
 
 _SCALED_STEP = ("this step's gradients are scaled (perturb(scaler=...)): finish it with scaler.step(opt), "

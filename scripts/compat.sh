@@ -5,7 +5,8 @@
 # torch, the matching torchvision and numpy<2 come in ONE pip command, so nothing pulls
 # torch back up; the package and its domainbed + test extras are then installed under a
 # constraints file that pins them. It runs the core tests, the plugins doctests and the
-# DomainBed algorithm tests (DomainBed from DOMAINBED_ROOT, else ../shared/DomainBed);
+# DomainBed algorithm tests (DomainBed from DOMAINBED_ROOT, else ../shared/DomainBed, else
+# the copy of setup_env.sh --with-domainbed in .venv/src/DomainBed);
 # fairseq keeps its pinned build in the main environment and is not part of this check.
 # COMPAT_VENV=path picks the venv (default: a fresh one under $TMPDIR, removed at the end;
 # KEEP_COMPAT_VENV=1 keeps it). PYTHON=python3.x picks the interpreter.
@@ -25,12 +26,15 @@ case "$TORCH" in  # torchvision built against each torch (pytorch/vision's compa
     *) echo "compat.sh: no known torchvision for torch $TORCH: add it to the table in scripts/compat.sh" >&2; exit 2 ;;
 esac
 
-if [ -z "${DOMAINBED_ROOT:-}" ] && [ -d ../shared/DomainBed/domainbed ]; then
-    DOMAINBED_ROOT=$(cd ../shared/DomainBed && pwd)
+if [ -z "${DOMAINBED_ROOT:-}" ]; then  # as scripts/test.sh, then the copy of setup_env.sh --with-domainbed
+    for candidate in ../shared/DomainBed .venv/src/DomainBed; do
+        if [ -d "$candidate/domainbed" ]; then DOMAINBED_ROOT=$(cd "$candidate" && pwd); break; fi
+    done
 fi
-[ -n "${DOMAINBED_ROOT:-}" ] && [ -d "$DOMAINBED_ROOT/domainbed" ] || {
-    echo "compat.sh: DomainBed is needed for the algorithm tests: set DOMAINBED_ROOT to a DomainBed checkout" \
-         "(tested at b93c22a)" >&2; exit 2; }
+[ -n "${DOMAINBED_ROOT:-}" ] && [ -d "$DOMAINBED_ROOT/domainbed" ] || {  # the tests' one message
+    echo "compat.sh: the DomainBed algorithm tests need DomainBed." \
+         "$("${PYTHON:-python3}" -c 'from domainbed_vasso._locate import NOT_IMPORTABLE; print(NOT_IMPORTABLE)')" >&2
+    exit 2; }
 export DOMAINBED_ROOT
 
 if [ -n "${COMPAT_VENV:-}" ]; then

@@ -12,6 +12,11 @@ import os
 import re
 from typing import Dict, List, Optional
 
+from plugins.lab.runs import Run, label_for, series
+
+#: what ``vasso-plot`` (``plugins.lab.runs.load_run``) looks for in a run's folder
+FILE_NAMES = ("train.log", "log.txt")
+
 _TAGS = r"(train_inner|train|valid|valid_\w+|test)"
 # "2026-.. | INFO | train_inner | ..." (fairseq-train's console format) or "INFO:train_inner:..." (logging's
 # default format, when fairseq runs inside a process that configured logging first)
@@ -92,11 +97,14 @@ def fairseq_optimizer(text: str) -> Dict[str, object]:
         return {"_name": m.group(1)}
 
 
-def load_run(path: str, label: Optional[str] = None):
-    """A fairseq log as a :class:`plugins.lab.plot.diagnostics.Run` over ``num_updates``
-    (its ``train_inner`` lines), labelled from the optimizer config it printed."""
-    from plugins.lab.plot.diagnostics import Run, label_for, series
+def claims(path: str, first_line: str) -> bool:
+    """Any text: fairseq's is the format ``vasso-plot`` reads when no other claims a file."""
+    return True
 
+
+def load_run(path: str, label: Optional[str] = None) -> Run:
+    """A fairseq log as a :class:`plugins.lab.runs.Run` over ``num_updates`` (its
+    ``train_inner`` lines), labelled from the optimizer config it printed."""
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     records = [r for r in parse_fairseq_log_text(text) if r["_tag"] == "train_inner"]

@@ -1,7 +1,9 @@
 """The house (docs/design.md, "The house"): the core imports no host, the translation
 tools import no fairseq, and SAM / VASSO show every keyword of the family."""
 
+import ast
 import inspect
+import os
 import subprocess
 import sys
 
@@ -22,6 +24,79 @@ def test_core_imports_no_host_and_no_lab():
     assert "plugins.optimizer" in loaded
     assert not {"fairseq", "domainbed", "fairseq_vasso", "domainbed_vasso", "matplotlib"} & loaded
     assert not any(m.startswith("plugins.lab") for m in loaded)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# docs/design.md, "The house": what each floor may import of the project's other floors,
+# at module level or inside a function alike (a lazy import is an arrow too)
+HOUSE = {
+    "plugins": set(),
+    "plugins.lab": {"plugins"},
+    "fairseq_vasso": {"plugins"},
+    "fairseq_vasso.nmt": {"plugins", "plugins.lab", "fairseq_vasso"},  # bench: the hooks' timer, in its child
+    "domainbed_vasso": {"plugins", "plugins.lab"},
+}
+
+
+def _floor(module):
+    parts = module.split(".")
+    if parts[0] in ("plugins", "fairseq_vasso") and len(parts) > 1 and parts[1] in ("lab", "nmt"):
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _project_imports():
+    """(importing module, imported module) for every import statement of the three packages."""
+    for package in ("plugins", "fairseq_vasso", "domainbed_vasso"):
+        for folder, _, files in os.walk(os.path.join(REPO, package)):
+            for name in sorted(files):
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                package_of = module.rsplit(".", 1)[0]
+                if name == "__init__.py":
+                    module = package_of
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read(), path)
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Import):
+                        targets = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom) and node.level:
+                        base = package_of.split(".")[:len(package_of.split(".")) - node.level + 1]
+                        targets = [".".join(base + ([node.module] if node.module else []))]
+                    elif isinstance(node, ast.ImportFrom):
+                        targets = [node.module]
+                    else:
+                        continue
+                    for target in targets:
+                        if target.split(".")[0] in ("plugins", "fairseq_vasso", "domainbed_vasso"):
+                            yield module, target
+
+
+def test_every_import_follows_the_house_map():
+    edges = list(_project_imports())
+    assert ("fairseq_vasso.nmt.logs", "plugins.lab.runs") in edges  # the walk sees what it must
+    wrong = sorted(f"{a} imports {b}" for a, b in edges
+                   if _floor(b) != _floor(a) and _floor(b) not in HOUSE[_floor(a)])
+    assert not wrong, "imports against docs/design.md's map:\n  " + "\n  ".join(wrong)
+
+
+def test_run_readers_point_down_to_the_lab():
+    """vasso-plot's run type is the lab's; the hosts' readers import it, and the lab finds
+    the readers by name when it loads a run (no cycle, no host import in the lab)."""
+    loaded = _modules_after("import plugins.lab.plot.diagnostics, plugins.lab.runs")
+    assert not {"fairseq_vasso", "domainbed_vasso"} & loaded
+    loaded = _modules_after("import fairseq_vasso.nmt.logs, domainbed_vasso.logs")
+    assert "plugins.lab.runs" in loaded
+    assert "plugins.lab.plot" not in loaded and "matplotlib" not in loaded
+    assert not {"fairseq", "domainbed"} & loaded
+    from plugins.lab import runs
+    for reader in runs.READERS:
+        module = __import__(reader, fromlist=["load_run"])
+        assert module.load_run.__annotations__["return"] in ("Run", runs.Run)
+        assert callable(module.claims) and module.FILE_NAMES
 
 
 @pytest.mark.parametrize("module", ["recipe", "toy_corpus", "iwslt14", "bleu", "logs", "demo", "bench"])

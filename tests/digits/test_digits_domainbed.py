@@ -12,13 +12,13 @@ import process_group
 import pytest
 import torch
 
+from domainbed_vasso import _locate
 from domainbed_vasso import digits_dataset as DD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _domainbed_importable():
-    from domainbed_vasso import _locate
     try:
         _locate.import_domainbed()
         return True
@@ -28,9 +28,7 @@ def _domainbed_importable():
 
 needs_domainbed = pytest.mark.skipif(
     not _domainbed_importable(),
-    reason="DomainBed not importable: set DOMAINBED_ROOT to a DomainBed checkout at b93c22a "
-           "(scripts/test.sh uses ../shared/DomainBed beside the repository when it exists), or "
-           "install one into the venv with `bash scripts/setup_env.sh --with-domainbed[=/path/to/DomainBed]`")
+    reason=_locate.NOT_IMPORTABLE)
 
 
 def test_domains_partition_the_digits_deterministically():

@@ -8,11 +8,9 @@ import tempfile
 import time
 
 import process_group
+from domainbed_vasso._locate import NOT_IMPORTABLE as SKIP_REASON  # the one message, in every test folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SKIP_REASON = ("DomainBed not importable: set DOMAINBED_ROOT to a DomainBed checkout at b93c22a "
-               "(scripts/test.sh uses ../shared/DomainBed beside the repository when it exists), or "
-               "install one into the venv with `bash scripts/setup_env.sh --with-domainbed[=/path/to/DomainBed]`")
 
 
 def _domainbed_root():

@@ -1,7 +1,7 @@
 """End to end through an unmodified DomainBed checkout.
 
-Skipped unless DomainBed is importable: set DOMAINBED_ROOT to a DomainBed checkout
-(git clone https://github.com/facebookresearch/DomainBed) and pip install wilds timm.
+Skipped unless DomainBed is importable (the skip says how: ``SKIP_REASON``, the one
+message of ``domainbed_vasso._locate.NOT_IMPORTABLE``).
 Debug28/Debug224 have 16 examples per environment (13 in a training split): the
 batch size must stay <= 13 or DomainBed's loader never yields a batch (hangs).
 """

@@ -121,9 +121,35 @@ def test_the_official_call_with_its_extra_arguments_fails_loudly():
     opt = build("VASSO", model.parameters())
     (x, y), = make_batches(1)
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(TypeError, match="epoch"):
-        opt.step(lambda: F.cross_entropy(model(x), y).backward(), epoch=0, step=0, batch_idx=0, model=model)
-    assert not opt.in_flight
+    before = flat(model.parameters())
+    with pytest.raises(TypeError) as error:
+        opt.step(lambda: F.cross_entropy(model(x), y).backward(), epoch=0, step=0, batch_idx=0, model=model,
+                 train_data=[], logger=None)
+    message = str(error.value)
+    # every unexpected argument by name, model= (ours) not among them, and the two ports
+    for name in ("epoch=", "step=", "batch_idx=", "train_data=", "logger="):
+        assert name in message
+    assert "model=," not in message.split("(it takes")[0]
+    for port in ("first_step(zero_grad=True)", "second_step(zero_grad=True)", "torch-style closure",
+                 "step(closure, model=model)", "docs/migration.md"):
+        assert port in message, port
+    assert not opt.in_flight and opt.num_steps == 0
+    assert torch.equal(flat(model.parameters()), before)
+    # the port the message names gives the step of a torch-style closure
+    (x, y), = make_batches(1)
+    expected, _ = torch_style_run("VASSO", [(x, y)])
+    model = make_model(batchnorm=True)
+    opt = build("VASSO", model.parameters())
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(TypeError, match="loss= is for step"):  # a closure returns its losses
+        opt.step(lambda: F.cross_entropy(model(x), y).backward(), loss=1.0)
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    opt.step(closure, model=model)
+    assert parameters_close(model, expected)
 
 
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "eVASSO", "ASAM"])

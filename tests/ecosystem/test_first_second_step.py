@@ -194,3 +194,63 @@ def test_second_step_without_first_step_says_so():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.second_step()
+
+
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "eVASSO"])
+def test_loss_gap_where_the_loop_hands_over_both_losses(kind):
+    # step(closure) records f(x + eps) - f(x); the explicit API and first_step/second_step
+    # give the same value when handed the two losses, and NaN (no gap known) without them.
+    batches = make_batches(6)
+    runs = {}
+    for api in ("closure", "explicit", "ecosystem", "scaler", "not handed"):
+        model = make_model()
+        opt = build(kind, model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1)
+        gaps = []
+        for x, y in batches:
+            if api == "closure":
+                def closure():
+                    opt.zero_grad()
+                    loss = loss_of(model, x, y)
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+            elif api == "ecosystem":
+                first = loss_of(model, x, y)
+                first.backward()
+                opt.first_step(zero_grad=True, loss=first)
+                second = loss_of(model, x, y)
+                second.backward()
+                opt.second_step(zero_grad=True, loss=second)
+            else:
+                opt.zero_grad()
+                first = loss_of(model, x, y)
+                (scaler.scale(first) if api == "scaler" else first).backward()
+                second = None
+                if opt.perturb(**({"scaler": scaler} if api == "scaler" else {}),
+                               **({} if api == "not handed" else {"loss": first})):
+                    opt.zero_grad()
+                    with opt.second_pass(model):
+                        second = loss_of(model, x, y)
+                        (scaler.scale(second) if api == "scaler" else second).backward()
+                if api == "scaler":
+                    scaler.step(opt, loss=second)
+                    scaler.update()
+                elif api == "not handed":
+                    opt.descend()
+                else:
+                    opt.descend(loss=second)
+            gaps.append((opt.diagnostics["two_pass"], opt.diagnostics["loss_gap"]))
+        runs[api] = (gaps, flat(model.parameters()))
+    reference, params = runs.pop("closure")
+    assert any(two for two, _ in reference)
+    for two, gap in reference:  # the closure's record: a gap on every two-pass step, NaN on the others
+        assert (two == 1.0) == (gap == gap)
+    for api, (gaps, other) in runs.items():
+        assert torch.allclose(other, params, rtol=0, atol=1e-6), api
+        for (two, gap), (two_ref, gap_ref) in zip(gaps, reference):
+            assert two == two_ref, api
+            if api == "not handed" or not two:
+                assert gap != gap, (api, gap)  # NaN: no gap known
+            else:
+                assert abs(gap - gap_ref) < 1e-6, (api, gap, gap_ref)

@@ -59,9 +59,16 @@ def test_bad_flag_in_a_config_that_bypasses_the_command_line(toy_data, tmp_path,
         check_config(cfg)
 
 
-def test_theta_is_a_vasso_flag_only(toy_data, tmp_path, fs):
-    with pytest.raises(SystemExit):
-        fs.train(fs.model_args(toy_data, tmp_path, optimizer="sam") + ["--theta", "0.4"])
+@pytest.mark.parametrize("theta", [["--theta", "0.4"], ["--theta=0.4"]])
+def test_theta_is_a_vasso_flag_only(toy_data, tmp_path, fs, capsys, theta):
+    # one line that says whose flag it is, not argparse's usage text and "unrecognized arguments"
+    with pytest.raises(SystemExit) as stop:
+        fs.train(fs.model_args(toy_data, tmp_path, optimizer="sam") + theta)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].endswith(
+        "error: --theta is a flag of --optimizer vasso only, not of --optimizer sam (drop it, or use --optimizer vasso)")
+    assert "usage:" not in err and "unrecognized arguments" not in err
 
 
 def test_flags_show_in_help(fs):

@@ -29,97 +29,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-DIAGNOSTIC_KEYS = ("stability", "loss_gap", "sharpness", "ascent_norm", "two_pass", "rho")
-
-
-
-def label_for(opt: Dict[str, object]) -> Optional[str]:
-    """SAM / VASSO (theta=..) / eVASSO(p=..) / ASAM / +GSAM, with rho; None if unknown."""
-    name = str(opt.get("_name", opt.get("algorithm", ""))).lower()
-    if not name:
-        return None
-    p = opt.get("perturb_prob", opt.get("p", 1.0))
-    p = float(p) if isinstance(p, (int, float)) else 1.0
-    adaptive = bool(opt.get("adaptive", False))
-    alpha = opt.get("gsam_alpha", 0.0)
-    alpha = float(alpha) if isinstance(alpha, (int, float)) else 0.0
-    if name in ("sam", "vasso"):
-        base = "SAM" if name == "sam" else "VASSO"
-        if adaptive:
-            base = "A" + base if name == "sam" else "adaptive " + base
-        if p < 1.0:
-            base = "e" + base
-        extras = []
-        if name == "vasso" and opt.get("theta") is not None:
-            extras.append(f"θ={float(opt['theta']):g}")
-        if p < 1.0:
-            extras.append(f"p={p:g}")
-        if alpha > 0:
-            extras.append(f"GSAM α={alpha:g}")
-        if opt.get("rho") is not None:
-            extras.append(f"ρ={float(opt['rho']):g}")
-        return base + (f" ({', '.join(extras)})" if extras else "")
-    if name == "adam":
-        return "AdamW"  # fairseq's --optimizer adam decouples weight decay
-    return name.upper() if name in ("erm", "gsam") else name
-
-
-# --------------------------------------------------------------------------- runs
-
-
-@dataclass
-class Run:
-    label: str
-    path: str
-    source: str  # "fairseq" or "domainbed"
-    series: Dict[str, Tuple[List[float], List[float]]] = field(default_factory=dict)
-    meta: Dict[str, object] = field(default_factory=dict)
-
-
-def series(records: Sequence[Dict[str, object]], xkey: str) -> Dict[str, Tuple[List[float], List[float]]]:
-    out: Dict[str, Tuple[List[float], List[float]]] = {}
-    for key in DIAGNOSTIC_KEYS:
-        xs, ys = [], []
-        for r in records:
-            x, y = r.get(xkey), r.get(key)
-            if isinstance(x, float) and isinstance(y, float) and math.isfinite(x) and math.isfinite(y):
-                xs.append(x)
-                ys.append(y)
-        if xs:
-            out[key] = (xs, ys)
-    return out
-
-
-def load_run(spec: str) -> Run:
-    """``path`` or ``label=path``; a .jsonl file whose first line is a JSON object is
-    read as DomainBed results, anything else as a fairseq log."""
-    label = None
-    if "=" in spec and not os.path.exists(spec):
-        label, spec = spec.split("=", 1)
-    path = spec
-    if os.path.isdir(path):
-        for name in ("results.jsonl", "train.log", "log.txt"):
-            if os.path.exists(os.path.join(path, name)):
-                path = os.path.join(path, name)
-                break
-    # each host reads its own format (plain text parsers: neither imports fairseq or DomainBed)
-    from domainbed_vasso import logs as domainbed_logs
-    from fairseq_vasso.nmt import logs as fairseq_logs
-
-    if path.endswith(".jsonl"):
-        return domainbed_logs.load_run(path, label)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        first = f.readline().strip()
-    if first.startswith("{") and '"step"' in first:
-        return domainbed_logs.load_run(path, label)
-    return fairseq_logs.load_run(path, label)
+# The run type and the reading of logs live in plugins.lab.runs, which the hosts' readers
+# import (docs/design.md, "The house"); re-exported here for vasso-plot's users.
+from plugins.lab.runs import DIAGNOSTIC_KEYS, Run, label_for, load_run, series  # noqa: F401
 
 
 # --------------------------------------------------------------------------- plotting
