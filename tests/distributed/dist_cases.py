@@ -44,12 +44,12 @@ def batches(world, seed=1):
     return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(STEPS)]
 
 
-def build(kind, params, **extra):
+def build(kind, params, base=torch.optim.AdamW, **extra):
     cls, knobs = VARIANTS[kind]
-    return cls(params, torch.optim.AdamW, rho=0.2, lr=1e-2, **knobs, **extra)
+    return cls(params, base, rho=0.2, lr=1e-2, **knobs, **extra)
 
 
-def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None):
+def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None, read=True):
     """STEPS steps with either API; ``opt`` is what the loop calls step() on (our
     optimizer, or a ZeRO/OSS wrapper), ``explicit_opt`` ours (for perturb/second_pass)."""
     ours = explicit_opt or opt
@@ -72,7 +72,8 @@ def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=Non
                 with ours.second_pass(model, rng):
                     F.cross_entropy(model(x), y).backward()
             (finish or ours.descend)()
-        diags.append({k: float(ours.diagnostics[k]) for k in DIAGNOSTICS})
+        if read:
+            diags.append({k: float(ours.diagnostics[k]) for k in DIAGNOSTICS})
     return diags
 
 
@@ -162,4 +163,116 @@ def every_setting():
                   partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
         diags = run(oss, model, mine, api, step_model=model, finish=oss.step, explicit_opt=oss.optim)
         out[("OSS", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+    return out
+
+
+# ------------------------------------------------------------------ host waits
+
+
+class CountWaits:
+    """The host waits of a block, as tests/core counts syncs (``aten._local_scalar_dense``
+    plus ``Tensor.tolist``: a read) plus the blocking collectives the core issues (a
+    ``torch.distributed`` call from a ``plugins`` module without ``async_op``: on gloo
+    the host waits for it).  A collective whose result the next event reads is the same
+    wait as that read, so ``waits`` counts reads and the collectives no read follows."""
+
+    COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+    def __init__(self):
+        import sys
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.events = []
+        self._sys = sys
+
+        class Reads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and not counter._in_tolist:
+                    counter.events.append("read")
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Reads()
+        self._in_tolist = False
+
+    def __enter__(self):
+        counter = self
+        self._saved = {name: getattr(dist, name) for name in self.COLLECTIVES}
+        tolist = self._tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            if counter._in_tolist:
+                return tolist(tensor)
+            counter.events.append("read")
+            counter._in_tolist = True
+            try:
+                return tolist(tensor)
+            finally:
+                counter._in_tolist = False
+
+        def wrap(name, original):
+            def collective(*args, **kwargs):
+                caller = counter._sys._getframe(1).f_globals.get("__name__", "")
+                if caller.startswith("plugins") and not kwargs.get("async_op", False):
+                    counter.events.append("collective")
+                return original(*args, **kwargs)
+            return collective
+
+        for name, original in self._saved.items():
+            setattr(dist, name, wrap(name, original))
+        torch.Tensor.tolist = counted_tolist
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    @property
+    def waits(self):
+        ev = self.events
+        return sum(1 for i, e in enumerate(ev) if e == "read" or (e == "collective" and (i + 1 >= len(ev)
+                                                                                            or ev[i + 1] != "read")))
+
+
+def counted_run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None):
+    """``run`` step by step, returning each step's host waits and whether it had two passes."""
+    ours = explicit_opt or opt
+    counts = []
+    for batch in data:
+        with CountWaits() as waits:
+            run(opt, model, [batch], api, step_model=step_model, finish=finish, explicit_opt=explicit_opt,
+                read=False)
+        counts.append((waits.waits, ours.diagnostics["two_pass"], waits.events))
+    return counts
+
+
+def host_waits():
+    """Each member, both APIs, under DDP, FSDP2 and ZeRO, over SGD (whose step reads
+    nothing): the host waits of every step after the first (whose one-time checks and
+    set-ups wait more), the diagnostics unread."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = my_slice(batches(world)) * 2
+    out = {}
+    for kind in VARIANTS:
+        cls, knobs = VARIANTS[kind]
+        for api in ("closure", "explicit"):
+            model = DDP(make_model())
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            out[("DDP", kind, api)] = counted_run(opt, model, data, api)[1:]
+            model = shard(make_model(), init_device_mesh("cpu", (world,)), True)
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            out[("FSDP2", kind, api)] = counted_run(opt, model, data, api)[1:]
+            model = DDP(make_model())
+            zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.SGD,
+                                           partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+            out[("ZeRO", kind, api)] = counted_run(zero, model, data, api, step_model=model, finish=zero.step,
+                                                   explicit_opt=zero.optim)[1:]
     return out
