@@ -16,12 +16,14 @@ ranks that sum runs, from what the parameters are:
   the sum runs over the group, and :class:`AscentExchange` sends each owner's parameters
   at ``x + eps`` to the other ranks before the second forward.
 
-DTensor and ``torch.distributed`` are imported lazily and only where present (torch 2.1:
-``torch.distributed._tensor``), so the core imports and runs unsharded without them.
+This module imports no DTensor module: it takes the classes from the one already
+loaded (``torch.distributed.tensor``, torch 2.1's ``torch.distributed._tensor``), so the
+core imports and runs unsharded on any torch, and a run without DTensors never loads it.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,23 +31,23 @@ import torch
 __all__ = ["dtensor_classes", "is_dtensor", "local", "Layout", "AscentExchange"]
 
 _DTENSOR: Optional[tuple] = None
+_NONE = (None, None, None)
 
 
 def dtensor_classes() -> tuple:
-    """``(DTensor, Shard, Replicate)`` of this torch, or ``(None, None, None)`` without DTensor."""
+    """``(DTensor, Shard, Replicate)`` of this torch, or ``(None, None, None)`` while no
+    DTensor module is loaded: a DTensor cannot exist before its module is imported, so
+    a run without one never pays for importing it (nor does torch 2.1, where it lives
+    in ``torch.distributed._tensor``)."""
     global _DTENSOR
     if _DTENSOR is None:
-        found: tuple = (None, None, None)
+        module = sys.modules.get("torch.distributed.tensor") or sys.modules.get("torch.distributed._tensor")
+        if module is None:
+            return _NONE
         try:
-            if torch.distributed.is_available():
-                try:
-                    from torch.distributed.tensor import DTensor, Replicate, Shard
-                except ImportError:  # torch < 2.4
-                    from torch.distributed._tensor import DTensor, Replicate, Shard
-                found = (DTensor, Shard, Replicate)
-        except ImportError:
-            pass
-        _DTENSOR = found
+            _DTENSOR = (module.DTensor, module.Shard, module.Replicate)
+        except AttributeError:  # a partly initialized module: try again next time
+            return _NONE
     return _DTENSOR
 
 

@@ -118,7 +118,8 @@ def shard(model, mesh, reshard):
 def every_setting():
     """Each member under DDP, FSDP2 (reshard after forward or not, a 2-D mesh where
     the world is even), ZeroRedundancyOptimizer and fairscale's OSS, against one process.
-    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)}."""
+    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)} and,
+    under "local sizes", the sizes of this rank's FSDP2 shards."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -142,6 +143,7 @@ def every_setting():
             opt = build(kind, model.parameters())
             diags = run(opt, model, mine, api)
             out[(f"FSDP2 reshard={reshard}", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+            out["local sizes"] = [p.to_local().shape[0] for p in model.parameters()]
 
         if world % 2 == 0:
             mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
