@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["dtensor_classes", "is_dtensor", "local", "Layout", "AscentExchange"]
+__all__ = ["dtensor_classes", "is_dtensor", "local", "PartitionGroup", "Layout", "AscentExchange"]
 
 _DTENSOR: Optional[tuple] = None
 _NONE = (None, None, None)
@@ -63,6 +63,32 @@ def local(t: torch.Tensor) -> torch.Tensor:
         return t
     with torch.no_grad():  # outside autograd, to_local() returns the shard itself
         return t.to_local()
+
+
+class PartitionGroup:
+    """``partition_group`` in a form a checkpoint can hold.
+
+    ``ZeroRedundancyOptimizer`` and fairscale's ``OSS`` copy every keyword of their
+    optimizer class into their own ``param_groups``, hence into their ``state_dict()``,
+    and a ``ProcessGroup`` cannot be pickled: ``torch.save`` of their state would fail.
+    This handle pickles as its ranks alone (a loaded one holds no group; the optimizer
+    built by the resumed run is given the live one)::
+
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO,
+                                       base_optimizer=torch.optim.AdamW,
+                                       partition_group=PartitionGroup(group), lr=1e-3)
+    """
+
+    def __init__(self, group=None):
+        dist = torch.distributed
+        self.group = dist.group.WORLD if group is None else group
+        self.ranks = list(dist.get_process_group_ranks(self.group))
+
+    def __getstate__(self):
+        return {"group": None, "ranks": self.ranks}
+
+    def __repr__(self) -> str:
+        return f"PartitionGroup(ranks={self.ranks}{'' if self.group is not None else ', not live: loaded'})"
 
 
 def _world() -> int:

@@ -114,7 +114,9 @@ class SharpnessAware(torch.optim.Optimizer):
             replicas and for DTensor parameters (FSDP2's ``fully_shard``), which carry
             their device mesh; given with DTensors it is refused.  Named this way because
             ``ZeroRedundancyOptimizer`` and ``OSS`` keep ``process_group`` / ``group``
-            for themselves: pass them the same group.
+            for themselves: pass them the same group.  They also copy this keyword into
+            their ``state_dict()``, where a ``ProcessGroup`` cannot be pickled: pass it
+            there as :class:`plugins.PartitionGroup` ``(group)``, which can.
 
     Two ways to use it.  With a closure (torch's convention)::
 

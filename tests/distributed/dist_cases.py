@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plugins import SAM, VASSO
+from plugins import SAM, VASSO, PartitionGroup
 from plugins.perturbation import rng_state
 
 VARIANTS = {
@@ -162,7 +162,7 @@ def every_setting():
         from fairscale.optim import OSS
         model = DDP(make_model())
         oss = OSS(model.parameters(), optim=cls, base_optimizer=torch.optim.AdamW,
-                  partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+                  partition_group=PartitionGroup(dist.group.WORLD), rho=0.2, lr=1e-2, **knobs)
         diags = run(oss, model, mine, api, step_model=model, finish=oss.step, explicit_opt=oss.optim)
         out[("OSS", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
     return out
@@ -456,6 +456,18 @@ def refusals():
     weight.grad = DTensor.from_local(torch.randn(3, 2), mesh, [Partial()])
     opt = SAM([weight], torch.optim.SGD, lr=0.1)
     out["Partial placement"] = _error(lambda: opt.perturb())
+
+    # ZeRO keeps the keyword in its param_groups (so in its state_dict): a PartitionGroup
+    # pickles there, a loaded one (no live group) is refused when building
+    import pickle
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, base_optimizer=torch.optim.SGD,
+                                   partition_group=PartitionGroup(), lr=0.1)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+    loaded = pickle.loads(pickle.dumps(hyper))[0]["partition_group"]
+    out["PartitionGroup pickles"] = (loaded.ranks == list(range(world)), loaded.group is None)
+    out["loaded PartitionGroup"] = _error(lambda: VASSO(make_model().parameters(), torch.optim.SGD, lr=0.1,
+                                                        partition_group=loaded))
 
     # not a process group
     out["partition_group=3"] = _error(lambda: SAM(make_model().parameters(), torch.optim.SGD, lr=0.1,
