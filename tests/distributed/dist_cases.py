@@ -445,6 +445,24 @@ def refusals():
     # partition_group without the model for the second pass
     out["partition_group, no model"] = _error(lambda: one_step(opt, model))
 
+    # partition_group with a second pass outside second_pass(model, rng), and the
+    # ecosystem's first_step/second_step (whose loops do that)
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=SAM, base_optimizer=torch.optim.SGD,
+                                   partition_group=dist.group.WORLD, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def outside():
+        zero.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert zero.optim.perturb()
+        zero.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        zero.step()
+    out["second pass outside second_pass"] = _error(outside)
+    out["outside: unmoved"] = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    out["first_step"] = _error(lambda: zero.optim.first_step())
+
     # partition_group with DTensors
     mesh = init_device_mesh("cpu", (world,))
     sharded = shard(make_model(), mesh, True)
