@@ -268,7 +268,8 @@ class AscentExchange:
         if len(mine) != len(owned):
             raise ValueError("partition_group: the optimizer holds parameters that are not in the model passed "
                              "to second_pass()/step()")
-        owners = [int(r[0]) if len(r) else -1 for r in (table[:, j].nonzero().flatten() for j in range(len(model_params)))]
+        holders = (table[:, j].nonzero().flatten() for j in range(len(model_params)))
+        owners = [int(r[0]) if len(r) else -1 for r in holders]  # -1: optimized by no rank
         # per dtype: each rank's parameters in model order, and the padded chunk size
         self.plan: List[Tuple[torch.dtype, List[List[int]], int]] = []
         for dtype in sorted({p.dtype for p in model_params}, key=str):
