@@ -2,9 +2,11 @@
 functions run in this process on mutants of the core (a wrong ascent scale, moving
 average, GSAM correction or coin; gradients unscaled twice; a restore that subtracts where
 it must copy; an extra host sync; a slow step), on ranks that ascend along their own
-shard's gradient, on fairseq runs whose loss does not fall or whose base optimizer sees a
+shard's gradient or norm, on fairseq runs whose loss does not fall or whose base optimizer sees a
 gradient unscaled twice, and on a VASSO whose rho = 0 step is not ERM's."""
 
+import copy
+import functools
 import importlib.util
 import time
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import plugins.perturbation as P
+from plugins import distributed
 from plugins.optimizer import SharpnessAware
 from plugins.lab.selftest import checks, ranks
 from fairseq_vasso.nmt import selftest as fairseq_check
@@ -123,12 +126,20 @@ def test_the_cost_check_fails_on_a_slow_step(monkeypatch):
     assert failed.value.details["vasso_over_adamw_2pass"] > checks.COST_LIMIT
 
 
-def test_the_ranks_check_fails_when_each_rank_ascends_along_its_own_shard():
-    with pytest.raises(checks.CheckFailed) as failed:
-        ranks.check_ranks("gloo", ["cpu", "cpu"], synced_first_pass=False)
-    errors = failed.value.details["max_error"]
+def test_the_ranks_checks_fail_on_ranks_that_use_their_own_shard():
+    """One group of ranks, two faults: under DDP each rank's first backward skips the
+    gradient all-reduce (explicit API), so it ascends along its own shard's gradient; under
+    FSDP2 the core's reduction skips its all-reduce, so each rank takes its own shard's norm."""
+    own_norms = functools.partial(setattr, distributed.Layout, "all_reduce", functools.partial(copy.copy))
+    run = ranks.run_ranks("gloo", ["cpu", "cpu"], synced_first_pass=False, rank_setup=own_norms)
+    with pytest.raises(checks.CheckFailed) as ddp:
+        ranks.judge_ranks(run, "DDP")
+    errors = ddp.value.details["max_error"]
     assert all(errors[f"{m} explicit"] > 1e-3 for m in ranks.RANK_MEMBERS)
-    assert all(errors[f"{m} closure"] < ranks.TOLERANCE for m in ranks.RANK_MEMBERS)  # the synced API still holds
+    assert all(errors[f"{m} closure"] < ranks.TOLERANCE for m in ranks.RANK_MEMBERS)  # DDP's own all-reduce
+    with pytest.raises(checks.CheckFailed) as fsdp2:
+        ranks.judge_ranks(run, "FSDP2")
+    assert all(e > 1e-4 for e in fsdp2.value.details["max_error"].values()), fsdp2.value.details
 
 
 # ------------------------------------------------------------------ fairseq: the verdict on a run

@@ -38,12 +38,13 @@ def test_the_cpu_path_passes_every_check_it_can_run(cpu_run):
     proc, report = cpu_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["summary"]["FAIL"] == 0
-    for check in ("environment", "math", "mixed precision", "host syncs", "ranks (DDP)", "cost"):
+    for check in ("environment", "math", "mixed precision", "host syncs", "ranks (DDP)", "ranks (FSDP2)", "cost"):
         cpu = [r for r in rows(report, check) if r["device"].startswith("cpu")]
         assert cpu and all(r["result"] == "pass" for r in cpu), (check, cpu)
     ranks = rows(report, "ranks (DDP)")
     assert any(r["device"] == "cpu x2" and "2 gloo ranks" in r["figure"] for r in ranks)
-    assert rows(report, "ranks (FSDP2)")[0]["reason"] == "sharded parameters not supported by this version"
+    fsdp2 = next(r for r in rows(report, "ranks (FSDP2)") if r["device"] == "cpu x2")
+    assert "2 gloo ranks under FSDP2" in fsdp2["figure"] and fsdp2["details"]["max_error"]
     math_row = next(r for r in rows(report, "math") if r["device"] == "cpu")
     assert set(math_row["details"]["members"]) == {"SAM", "VASSO", "eSAM", "eVASSO", "ASAM", "GSAM", "V+G"}
     assert report["environment"]["torch"] == torch.__version__
@@ -74,7 +75,8 @@ def test_every_gpu_check_says_why_it_did_not_run_without_one(cpu_run):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the CUDA rows ran")
     cuda = [r for r in report["results"] if r["device"].startswith("cuda")]
-    assert {r["check"] for r in cuda} >= {"math", "mixed precision", "host syncs", "ranks (DDP)", "cost"}
+    assert {r["check"] for r in cuda} >= {"math", "mixed precision", "host syncs", "ranks (DDP)", "ranks (FSDP2)",
+                                          "cost"}
     assert all(r["result"] == "skipped" and r["reason"] == "no CUDA device" for r in cuda), cuda
 
 

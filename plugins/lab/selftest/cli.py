@@ -11,8 +11,8 @@ reason), time, and the figure measured.
   both APIs; an overflow in either pass is skipped with one back-off, x_t exact;
 * host syncs: at most 2 per step (the dispatcher's count; on a GPU, torch's own
   ``torch.cuda.set_sync_debug_mode``);
-* ranks: DDP ranks (NCCL across two or more GPUs; gloo on the CPU with ``--ranks 2``)
-  take the one-process step; FSDP2 once the core takes sharded parameters;
+* ranks: ranks under DDP and under FSDP2 (``fully_shard``) take the one-process step:
+  NCCL across two or more GPUs, gloo on the CPU with ``--ranks 2``;
 * fairseq (when installed): a short ``fairseq-train --user-dir fairseq_vasso --optimizer
   vasso`` in every precision mode the device has; the loss falls, the diagnostics are
   finite, the base optimizer sees the gradient unscaled once;
@@ -178,22 +178,38 @@ def plan(args, env: Dict, workdir: str) -> List[tuple]:
             add(slug, name, d, lambda fn=fn, d=d: fn(d))
         if not gpus:
             add(slug, name, "cuda", skip("no CUDA device"))
-    # ranks
+    # ranks: one group of ranks per backend runs both settings; the DDP row times it
+    def group_rows(backend, devs, where):
+        memo = {}
+        fsdp2 = ranks.fsdp2_missing()
+
+        def judged(setting):
+            if "run" not in memo:
+                try:
+                    memo["run"] = ranks.run_ranks(backend, devs, ["DDP"] + ([] if fsdp2 else ["FSDP2"]))
+                except checks.CheckFailed as exc:
+                    memo["run"] = exc
+            if isinstance(memo["run"], checks.CheckFailed):
+                raise memo["run"]
+            figure, details = ranks.judge_ranks(memo["run"], setting)
+            return figure + ("" if setting == "DDP" else " (the DDP row's ranks; its time includes these)"), details
+
+        add("ranks", "ranks (DDP)", where, lambda: judged("DDP"))
+        add("ranks", "ranks (FSDP2)", where, skip(fsdp2) if fsdp2 else lambda: judged("FSDP2"))
+
     if args.ranks >= 2:
-        add("ranks", "ranks (DDP)", f"cpu x{args.ranks}",
-            lambda: ranks.check_ranks("gloo", ["cpu"] * args.ranks))
+        group_rows("gloo", ["cpu"] * args.ranks, f"cpu x{args.ranks}")
     else:
-        add("ranks", "ranks (DDP)", "cpu", skip("--ranks 1: the CPU ranks check (gloo) runs with --ranks 2"))
-    if len(gpus) >= 2:
+        for setting in ranks.SETTINGS:
+            add("ranks", f"ranks ({setting})", "cpu", skip("--ranks 1: the CPU ranks checks (gloo) run with --ranks 2"))
+    if len(gpus) >= 2 and torch.distributed.is_nccl_available():
         n = max(k for k in RANKS_ALLOWED if k <= len(gpus))
-        if torch.distributed.is_nccl_available():
-            add("ranks", "ranks (DDP)", f"cuda x{n}", lambda: ranks.check_ranks("nccl", gpus[:n]))
-        else:
-            add("ranks", "ranks (DDP)", f"cuda x{n}", skip("this torch build has no NCCL"))
+        group_rows("nccl", gpus[:n], f"cuda x{n}")
     else:
-        add("ranks", "ranks (DDP)", "cuda", skip("no CUDA device" if not gpus
-                                                 else "one GPU: the multi-rank checks need two"))
-    add("ranks", "ranks (FSDP2)", "cpu, cuda", skip(ranks.SHARDED_UNSUPPORTED))
+        why = ("no CUDA device" if not gpus else "one GPU: the multi-rank checks need two" if len(gpus) < 2
+               else "this torch build has no NCCL")
+        for setting in ranks.SETTINGS:
+            add("ranks", f"ranks ({setting})", "cuda", skip(why))
     # the hosts
     add("fairseq", "fairseq fp32", "cpu", lambda: check_fairseq("cpu", "fp32", workdir))
     for d in gpus:

@@ -1,9 +1,12 @@
-"""The ranks check of ``vasso-selftest``: a group of ranks under DistributedDataParallel,
-each on its shard of every batch, takes the step one process takes on the whole batch.
+"""The ranks checks of ``vasso-selftest``: a group of ranks, each on its shard of every
+batch, takes the step one process takes on the whole batch, under DistributedDataParallel
+(replicated parameters, gradients averaged by DDP) and under FSDP2 (``fully_shard``: each
+rank holds a shard of every parameter, and the core sums the step's partial sums over the
+ranks, ``plugins.distributed``).
 
-NCCL across two or more GPUs, gloo on the CPU (``--ranks 2``).  Every rank is a process of
-its own (``spawn``), on its own free port; all of them are ended, by process id, when the
-check finishes or times out.
+NCCL across two or more GPUs, gloo on the CPU (``--ranks 2``).  One group of ranks runs both
+settings; every rank is a process of its own (``spawn``), on its own free port; all of them
+are ended, by process id, when the check finishes or times out.
 """
 
 from __future__ import annotations
@@ -26,8 +29,25 @@ from .checks import CheckFailed, TinyMLP, _core, batches, initial_parameters
 RANK_MEMBERS = ("SAM", "VASSO", "ASAM", "GSAM", "eVASSO")
 STEPS = 4
 TOLERANCE = 1e-5
-#: What the sharded (FSDP2) check says until the core takes sharded parameters.
-SHARDED_UNSUPPORTED = "sharded parameters not supported by this version"
+SETTINGS = ("DDP", "FSDP2")
+
+
+def fsdp2_missing() -> "str | None":
+    """Why FSDP2 cannot run with this torch, or None."""
+    try:
+        _fully_shard()
+    except ImportError:
+        return f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.fully_shard)"
+    return None
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    return fully_shard, init_device_mesh
 
 
 def free_port() -> int:
@@ -64,14 +84,29 @@ def run_member(member: str, model: torch.nn.Module, device: str, shard: slice, a
                 with opt.second_pass(model, rng):
                     backward()
             opt.descend()
-    return torch.cat([q.detach().reshape(-1).double().cpu() for q in model.parameters()])
+    return torch.cat([(q.full_tensor() if hasattr(q, "full_tensor") else q).detach().reshape(-1).double().cpu()
+                      for q in model.parameters()])
+
+
+def _wrap(setting: str, model: torch.nn.Module, device: str):
+    if setting == "DDP":
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+    fully_shard, init_device_mesh = _fully_shard()
+    mesh = init_device_mesh(device.split(":")[0], (torch.distributed.get_world_size(),))
+    for layer in (model.fc1, model.fc2):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def _rank_main(rank: int, world: int, backend: str, devices: Sequence[str], port: int, outdir: str,
-               synced_first_pass: bool) -> None:
-    """One rank: every member, both APIs, on its shard; writes ``rank{r}.pt`` (or ``.err``)."""
+               settings: Sequence[str], synced_first_pass: bool, rank_setup) -> None:
+    """One rank: every setting, member and API on its shard; writes ``rank{r}.pt`` (or ``.err``)."""
     try:
         torch.set_num_threads(1)
+        if rank_setup is not None:
+            rank_setup()
         device = devices[rank]
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
@@ -80,13 +115,12 @@ def _rank_main(rank: int, world: int, backend: str, devices: Sequence[str], port
         per = 16 // world
         shard = slice(rank * per, (rank + 1) * per)
         out = {}
-        for member in RANK_MEMBERS:
-            for api in ("explicit", "closure"):
-                model = TinyMLP(initial_parameters(), device)
-                ddp = torch.nn.parallel.DistributedDataParallel(
-                    model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
-                out[f"{member} {api}"] = run_member(member, ddp, device, shard, api,
-                                                    synced_first_pass or api == "closure")
+        for setting in settings:
+            for member in RANK_MEMBERS:
+                for api in ("explicit", "closure"):
+                    model = _wrap(setting, TinyMLP(initial_parameters(), device), device)
+                    out[f"{setting} {member} {api}"] = run_member(
+                        member, model, device, shard, api, synced_first_pass or api == "closure" or setting != "DDP")
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         torch.distributed.destroy_process_group()
     except BaseException:
@@ -95,22 +129,24 @@ def _rank_main(rank: int, world: int, backend: str, devices: Sequence[str], port
         raise
 
 
-def check_ranks(backend: str, devices: Sequence[str], *, synced_first_pass: bool = True,
-                timeout: float = 180.0) -> tuple:
-    """``len(devices)`` ranks (``backend``: ``"gloo"`` or ``"nccl"``) against one process on
-    ``devices[0]`` with the whole batch: every rank's parameters after ``STEPS`` steps of every
-    member of :data:`RANK_MEMBERS`, in both APIs, equal the one-process run to ``TOLERANCE``,
-    and the ranks agree with each other bit for bit.  ``synced_first_pass=False`` runs the
-    explicit API's first backward under ``no_sync()`` (each rank ascends along its own
-    shard's gradient): the failure this check exists to catch, for its tests."""
+def run_ranks(backend: str, devices: Sequence[str], settings: Sequence[str] = SETTINGS, *,
+              synced_first_pass: bool = True, rank_setup=None, timeout: float = 240.0) -> Dict:
+    """Spawn ``len(devices)`` ranks (``backend``: ``"gloo"`` or ``"nccl"``) that run ``STEPS``
+    steps of every member of :data:`RANK_MEMBERS`, in both APIs, in each setting; returns
+    ``{"backend", "devices", "ranks": [each rank's {key: flat parameters}]}``, or raises
+    :class:`CheckFailed` when a rank fails or hangs.  For the check's tests:
+    ``synced_first_pass=False`` runs DDP's explicit first backward under ``no_sync()`` (each
+    rank ascends along its own shard's gradient), and ``rank_setup`` (picklable, no
+    arguments) runs first in every rank (a mutant core)."""
     world = len(devices)
     if 16 % world:
         raise ValueError(f"the ranks check splits a batch of 16: {world} ranks do not divide it")
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="vasso-selftest-ranks-") as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world, backend, list(devices), port, outdir,
-                                                       synced_first_pass), daemon=True) for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(r, world, backend, list(devices), port, outdir, list(settings),
+                                                       synced_first_pass, rank_setup), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -133,22 +169,37 @@ def check_ranks(backend: str, devices: Sequence[str], *, synced_first_pass: bool
         if errors:
             raise CheckFailed(f"{backend} ranks failed: " + "; ".join(errors), {"errors": errors})
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+    return {"backend": backend, "devices": list(devices), "ranks": results}
+
+
+def judge_ranks(run: Dict, setting: str) -> tuple:
+    """(figure, details) of one setting of :func:`run_ranks`: every rank's parameters after
+    the steps equal one process's on ``devices[0]`` with the whole batch to ``TOLERANCE``, and
+    the ranks agree bit for bit; else :class:`CheckFailed`."""
+    results, devices, backend = run["ranks"], run["devices"], run["backend"]
+    world = len(devices)
     worst: Dict[str, float] = {}
     failures: List[str] = []
-    for key in results[0]:
-        member, api = key.split(" ")
-        model = TinyMLP(initial_parameters(), devices[0])
-        alone = run_member(member, model, devices[0], slice(None), api)
+    for key in [k for k in results[0] if k.startswith(setting + " ")]:
+        _, member, api = key.split(" ")
+        alone = run_member(member, TinyMLP(initial_parameters(), devices[0]), devices[0], slice(None), api)
         err = max(float(((res[key] - alone).abs() / (1 + alone.abs())).max()) for res in results)
         agree = all(torch.equal(res[key], results[0][key]) for res in results)
-        worst[key] = err
+        worst[f"{member} {api}"] = err
         if not (err <= TOLERANCE and agree):
-            failures.append(f"{key}: off the one-process step by {err:.1e}"
+            failures.append(f"{member} {api}: off the one-process step by {err:.1e}"
                             + ("" if agree else ", and the ranks disagree"))
-    details = {"backend": backend, "devices": list(devices), "max_error": worst, "tolerance": TOLERANCE,
-               "steps": STEPS}
+    details = {"backend": backend, "devices": list(devices), "setting": setting, "max_error": worst,
+               "tolerance": TOLERANCE, "steps": STEPS}
+    if not worst:
+        raise CheckFailed(f"the ranks ran no {setting} steps", details)
     if failures:
-        raise CheckFailed(f"{world} {backend} ranks under DDP: " + "; ".join(failures), details)
-    figure = (f"{world} {backend} ranks under DDP = one process, {len(RANK_MEMBERS)} members x 2 APIs: "
+        raise CheckFailed(f"{world} {backend} ranks under {setting}: " + "; ".join(failures), details)
+    figure = (f"{world} {backend} ranks under {setting} = one process, {len(RANK_MEMBERS)} members x 2 APIs: "
               f"max error {max(worst.values()):.1e} (tol {TOLERANCE:.0e}), ranks equal bit for bit")
     return figure, details
+
+
+def check_ranks(backend: str, devices: Sequence[str], setting: str = "DDP", **kw) -> tuple:
+    """One setting, in a group of ranks of its own (:func:`run_ranks`, :func:`judge_ranks`)."""
+    return judge_ranks(run_ranks(backend, devices, [setting], **kw), setting)
