@@ -50,13 +50,6 @@ MATH_MUTANTS = {"ascent scale x1.01": (_mutant_ascent_scale, "SAM"),
                 "ASAM without eta": (_mutant_adaptive, "ASAM")}
 
 
-def test_the_math_check_passes_on_the_core():
-    figure, details = checks.check_math("cpu")
-    errors = details["max_error"]
-    assert max(v for k, v in errors.items() if k.endswith("float32")) < 1e-6 and "7 members" in figure
-    assert max(v for k, v in errors.items() if k.endswith("float64")) < 1e-8
-
-
 @pytest.mark.parametrize("mutant", list(MATH_MUTANTS))
 def test_the_math_check_fails_on_a_mutant_core(mutant, monkeypatch):
     apply, member = MATH_MUTANTS[mutant]
@@ -199,7 +192,7 @@ def test_the_domainbed_check_fails_when_rho_zero_is_not_erm(monkeypatch):
 
     if domainbed_check.domainbed_missing():
         pytest.skip(domainbed_check.domainbed_missing())
-    assert "bit for bit" in domainbed_check.check_domainbed("cpu")[0]
+    # (the unmutated check passes in test_selftest_command.py's run of the command)
     monkeypatch.setattr(P, "plain_ascent_scale", lambda rho, norm: 1e-3 / norm)  # moves even at rho = 0
     with pytest.raises(checks.CheckFailed) as failed:
         domainbed_check.check_domainbed("cpu")
