@@ -141,8 +141,9 @@ def judge(records: List[Dict], base_norms: List[float], mode: str, clip: float =
     if problems:
         raise CheckFailed("; ".join(problems), details)
     scale = f", loss scale {scales[-1]:g}" if scales else ""
-    figure = (f"loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} updates, diagnostics finite, base step "
-              f"saw |g| = --clip-norm {clip} on {len(base_norms)}/{len(base_norms)} steps (unscaled once{scale})")
+    figure = (f"loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} updates, diagnostics finite, the base "
+              f"step's gradient norm = --clip-norm {clip} on {len(base_norms)}/{len(base_norms)} steps "
+              f"(unscaled once{scale})")
     return figure, details
 
 

@@ -230,8 +230,12 @@ def table(rows: List[Row]) -> str:
     from plugins.lab.tables import markdown_table
 
     return markdown_table(["check", "device", "result", "time", "figure"],
-                          [[r["check"], r["device"], result_text(r), f"{r['seconds']:.1f} s", r["figure"] or "-"]
-                           for r in rows], align="lllrl")
+                          [[_cell(r["check"]), r["device"], _cell(result_text(r)), f"{r['seconds']:.1f} s",
+                            _cell(r["figure"] or "-")] for r in rows], align="lllrl")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a figure's own bars would end the cell
 
 
 def bug_report_note(json_path: Optional[str], failed: int) -> str:
