@@ -101,7 +101,8 @@ def test_the_host_sync_check_fails_on_a_third_sync(monkeypatch):
         checks.check_host_syncs("cpu")
     counted = failed.value.details["counted_per_step"]
     assert "SAM closure" in failed.value.figure and "syncs in a step" in failed.value.figure
-    assert all(max(counted[f"{m} {api}"]) > checks.MAX_SYNCS for m in ("SAM", "VASSO") for api in ("closure", "explicit"))
+    assert all(max(counted[f"{m} {api}"]) > checks.MAX_SYNCS
+               for m in ("SAM", "VASSO") for api in ("closure", "explicit"))
 
 
 def test_the_cost_check_fails_on_a_slow_step(monkeypatch):

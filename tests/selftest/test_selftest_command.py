@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def cpu_run(tmp_path_factory):
     """One run of the command on this machine's CPU with two gloo ranks."""
     report = tmp_path_factory.mktemp("selftest") / "report.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    path = [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run([sys.executable, "-m", "plugins.lab.selftest", "--ranks", "2", "--json", str(report)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return proc, json.loads(report.read_text()) if report.exists() else None

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import plugins
-from plugins.perturbation import rng_state, second_pass_coin
+from plugins.perturbation import rng_state
 
 from .reference import MEMBERS, reference_steps
 from .syncs import CountSyncs
