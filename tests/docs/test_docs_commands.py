@@ -211,6 +211,13 @@ COMMANDS = classified(
      "--command_launcher slurm",
      check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
     (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
+    (".venv/bin/vasso-selftest --ranks 2 --json selftest.json", check_only(
+        "the whole self-test, 1-2 minutes on 2 cores: tests/selftest runs it (python -m plugins.lab.selftest "
+        "--ranks 2 --json ..., the console script's entry point) and checks its report; here its flags parse",
+        check=".venv/bin/python -m plugins.lab.selftest --help", expect=("--ranks", "--force"))),
+    ("bash scripts/test_gpu.sh", check_only(
+        "needs GPUs (without one it refuses, saying so): the script parses",
+        check="bash -n scripts/test_gpu.sh")),
 
     # ---- docs/design.md
     ("python: rng = plugins.rng_state()", substitute(

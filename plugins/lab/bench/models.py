@@ -85,13 +85,16 @@ class ManySmall(torch.nn.Module):
         return self.head(x)
 
 
-def build(model_cfg: Dict[str, Any], seed: int = 0):
-    """(model, loss_fn) with a fixed batch; the same seed gives the same weights and batch."""
+def build(model_cfg: Dict[str, Any], seed: int = 0, device: str = "cpu"):
+    """(model, loss_fn) with a fixed batch; the same seed gives the same weights and batch
+    (drawn on the CPU, then moved to ``device``)."""
     torch.manual_seed(seed)
     if model_cfg["kind"] == "transformer":
         model = TinyTransformerLM(**model_cfg)
         g = torch.Generator().manual_seed(seed + 1)
         tokens = torch.randint(0, model_cfg["vocab"], (model_cfg["batch"], model_cfg["seq"] + 1), generator=g)
+        model.to(device)
+        tokens = tokens.to(device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
         def loss_fn():
@@ -102,6 +105,8 @@ def build(model_cfg: Dict[str, Any], seed: int = 0):
         g = torch.Generator().manual_seed(seed + 1)
         x = torch.randn(model_cfg["batch"], model_cfg["width"], generator=g)
         y = torch.randint(0, min(10, model_cfg["width"]), (model_cfg["batch"],), generator=g)
+        model.to(device)
+        x, y = x.to(device), y.to(device)
 
         def loss_fn():
             return torch.nn.functional.cross_entropy(model(x), y)

@@ -9,6 +9,8 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List, Sequence
 
+import torch
+
 from .models import SCALED_METHODS, build, make_optimizer, make_scaler
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -19,13 +21,23 @@ class Runner:
 
     ``clock="cpu"`` (``time.process_time``: CPU seconds of this process, all its
     threads) is immune to the time slices other processes take on a shared machine;
-    ``"wall"`` is ``time.perf_counter``.
+    ``"wall"`` is ``time.perf_counter``.  On a CUDA ``device`` the clock waits for the
+    device first (``torch.cuda.synchronize``): use ``"wall"`` there.
     """
 
-    def __init__(self, method: str, model_cfg: Dict[str, Any], seed: int = 0, clock: str = "cpu"):
+    def __init__(self, method: str, model_cfg: Dict[str, Any], seed: int = 0, clock: str = "cpu",
+                 device: str = "cpu"):
         self.method = method
         self.clock = CLOCKS[clock]
-        self.model, self.loss_fn = build(model_cfg, seed)
+        if str(device).startswith("cuda"):
+            read = self.clock
+
+            def synchronized():
+                torch.cuda.synchronize(device)
+                return read()
+
+            self.clock = synchronized
+        self.model, self.loss_fn = build(model_cfg, seed, device)
         self.opt = make_optimizer(method, self.model)
         self.scaler = make_scaler(method)
         self.is_base = not hasattr(self.opt, "base_optimizer")
@@ -98,10 +110,10 @@ class Runner:
 
 
 def interleaved_timing(model_cfg: Dict[str, Any], methods: Sequence[str], reps: int, block: int, warmup: int,
-                       log: Callable[[str], None] = lambda s: None, clock: str = "cpu"
+                       log: Callable[[str], None] = lambda s: None, clock: str = "cpu", device: str = "cpu"
                        ) -> Dict[str, List[Dict[str, float]]]:
     """blocks[method][rep]: every method runs one block per repeat, the order rotating."""
-    runners = {m: Runner(m, model_cfg, clock=clock) for m in methods}
+    runners = {m: Runner(m, model_cfg, clock=clock, device=device) for m in methods}
     for r in runners.values():
         for _ in range(warmup):
             r.update()
