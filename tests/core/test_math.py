@@ -93,7 +93,7 @@ def test_vasso_matches_the_papers_equations(theta):
         assert opt.perturb()
         torch.testing.assert_close(flat(model.parameters()) - before, torch.cat([e.reshape(-1) for e in eps]),
                                    rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(torch.cat([opt.state[q]["slope"].reshape(-1) for q in model.parameters()]),
+        torch.testing.assert_close(torch.cat([opt.state[q]["sam_slope"].reshape(-1) for q in model.parameters()]),
                                    torch.cat([di.reshape(-1) for di in d]), rtol=1e-5, atol=1e-7)
         assert opt.diagnostics["sharpness"] == pytest.approx(rho * norm.item(), rel=1e-5)
         first_backward(model, x, y)
