@@ -64,23 +64,51 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, *, layout=None,
+               extra: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Several sums over lists of tensors of the same shapes in one go, as one float64
     vector on the tensors' device:
 
     * ``(xs, None)``: ``||xs||``, one global L2 norm;
     * ``(xs, ys)``: ``<xs, ys>``;
     * ``(ds, gs, theta)``: ``||(1 - theta) ds + theta gs||``, the norm of VASSO's next
-      moving average, computed before (and without) updating ``ds``.
+      moving average, computed before (and without) updating ``ds``;
+
+    then the 0-dim tensors of ``extra``, summed like the rest.
 
     The small tensors of each chunk of :func:`chunk_plan` are flattened once per list
     (one ``torch.cat``) and reduced with one kernel per term; large tensors are reduced
     where they are (norms with one ``torch._foreach_norm``).  fp16/bf16 are reduced in
-    float32 (no overflow of the sum of squares); inner products add up in float64.
+    float32 (no overflow of the sum of squares); the partial sums add up in float64.
+
+    ``layout`` (:class:`plugins.distributed.Layout`): the tensors are this rank's local
+    parts (DTensor shards, or a partition of the parameters); only the ones it
+    ``counted`` enter, and the partial sums (squares and inner products, not norms) are
+    summed over its groups with one ``all_reduce`` before the square roots are taken.
+    Every rank must then call this alike, whatever it holds (an empty shard included).
     Reading the result (``tolist()``) is the one host synchronization for all of them."""
+    if layout is not None and layout.counted is not None:
+        keep = layout.counted
+        terms = [tuple([xs[i] for i in keep] if isinstance(xs, (list, tuple)) else xs for xs in term)
+                 for term in terms]
+    partial = _partial_sums(terms, plan, layout)
+    if extra:
+        partial = torch.cat([partial] + [e.detach().reshape(1).to(partial.device, torch.float64) for e in extra])
+    if layout is not None and layout.collective:
+        layout.all_reduce(partial)
+    is_norm = [len(t) == 3 or t[1] is None for t in terms]
+    if not any(is_norm):
+        return partial
+    mask = torch.tensor(is_norm + [False] * len(extra), device=partial.device)
+    return torch.where(mask, partial.clamp(min=0.0).sqrt(), partial)
+
+
+def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layout) -> torch.Tensor:
+    """The local sums of squares (norm terms) and inner products, float64."""
     first = terms[0][0]
     if len(first) == 0:
-        return torch.zeros(len(terms), dtype=torch.float64)
+        device = layout.device if layout is not None else torch.device("cpu")
+        return torch.zeros(len(terms), dtype=torch.float64, device=device)
     plan = chunk_plan(first) if plan is None else plan
     alone = [c[0] for c in plan if len(c) == 1]
     chunks = [c for c in plan if len(c) > 1]
@@ -95,7 +123,7 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -
 
     results = []
     for term in terms:
-        if len(term) == 3 or term[1] is None:  # a norm: over the per-tensor / per-chunk norms
+        if len(term) == 3 or term[1] is None:  # a norm: the sum of the squared per-tensor / per-chunk norms
             if len(term) == 3:
                 ds, gs, theta = term
 
@@ -111,8 +139,7 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -
                 else:
                     parts = [torch.linalg.vector_norm(_wide(t)) for t in big]
                 parts += [torch.linalg.vector_norm(flat(xs, k)) for k in range(len(chunks))]
-            parts = [q.to(torch.float32) if q.dtype != torch.float32 else q for q in parts]
-            results.append(torch.linalg.vector_norm(torch.stack(parts)).double())
+            results.append(torch.stack([q.double() for q in parts]).square().sum())
         else:
             xs, ys = term
             parts = [torch.dot(_wide(xs[i]), _wide(ys[i]).to(_wide(xs[i]).dtype)) for i in alone]
@@ -122,15 +149,17 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -
     return torch.stack(results)
 
 
-def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
     """One L2 norm over every tensor of the list (a 0-dim float64 tensor)."""
-    return reductions([(list(tensors), None)], plan)[0]
+    return reductions([(list(tensors), None)], plan, layout=layout)[0]
 
 
-def dot(xs: Tensors, ys: Tensors) -> torch.Tensor:
+def dot(xs: Tensors, ys: Tensors, layout=None) -> torch.Tensor:
     """Inner product <xs, ys> over all tensors, as a 0-dim float64 tensor (no host sync)."""
     xs, ys = list(xs), list(ys)
-    return reductions([(xs, ys)])[0] if xs else torch.zeros((), dtype=torch.float64)
+    if not xs and (layout is None or not layout.collective):
+        return torch.zeros((), dtype=torch.float64)
+    return reductions([(xs, ys)], layout=layout)[0]
 
 
 # --------------------------------------------------------------------------- slope
@@ -161,6 +190,8 @@ def ascent_direction(
     *,
     adaptive_mask: Optional[Sequence[bool]] = None,
     eta: float = 0.01,
+    plan: Optional[List[List[int]]] = None,
+    layout=None,
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """The ascent ``eps`` of the sphere's linear maximizer, materialized.
 
@@ -179,9 +210,9 @@ def ascent_direction(
     else:
         scales = [adaptive_scale(x, eta) if m else None for x, m in zip(params, adaptive_mask)]
         scaled = [v * t if t is not None else v.detach().clone() for v, t in zip(slopes, scales)]
-    if not scaled:
+    if not scaled and (layout is None or not layout.collective):
         return scaled, torch.zeros((), dtype=torch.float64)
-    norm = global_norm(scaled)
+    norm = global_norm(scaled, plan, layout)  # ``plan``/``layout``: see :func:`reductions`
     factor = torch.where(norm > 0.0, rho / norm, torch.zeros_like(norm))  # 0 when v == 0
     for tv, t in zip(scaled, scales):
         if t is not None:
