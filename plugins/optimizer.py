@@ -838,7 +838,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 state[i] = entry
         return {
             "state": state,
-            "param_groups": base["param_groups"],
+            "param_groups": [self._saved_group(g) for g in base["param_groups"]],
             "sharpness": {"step": counters["step"], "seed": counters["seed"],
                           "previous": self._previous and {k: _as_float(v) for k, v in self._previous.items()},
                           "nonfinite_steps": counters["nonfinite_steps"],
@@ -908,6 +908,14 @@ class SharpnessAware(torch.optim.Optimizer):
             state_dict = _from_wrapped_format(state_dict)
         return {k: _split_entry(v)[0] for k, v in state_dict["state"].items() if v is not None}
 
+    def _saved_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """A param group as saved: without this class's own keywords, which
+        ``ZeroRedundancyOptimizer`` and ``OSS`` copy into every group of the optimizer they
+        build (``partition_group``, a process group, cannot be saved at all; ``base_optimizer``
+        is a class); ``rho`` stays, it lives in the groups."""
+        own = _KEYWORDS.difference(self.base_optimizer.defaults)
+        return {k: v for k, v in group.items() if k not in own}
+
     def _counters(self) -> Dict[str, Any]:
         return _counters_dict(self._step, self.seed, self._nonfinite_steps, self._previous)
 
@@ -957,6 +965,8 @@ class SharpnessAware(torch.optim.Optimizer):
         return total
 
 
+# the constructor's keywords, which a param group holds only when a wrapper put them there
+_KEYWORDS = frozenset(inspect.signature(SharpnessAware.__init__).parameters) - {"self", "params", "rho", "base_kwargs"}
 _OWN_PREFIX = "sam_"  # this wrapper's keys in a parameter's merged state: no torch optimizer uses it
 _COUNTERS = "sam_counters"
 
