@@ -414,7 +414,17 @@ class SharpnessAware(torch.optim.Optimizer):
             terms.append((grads, slopes))
         fused_norm = vasso and two_pass and slopes is not None and lists.fuse_average_norm
         if fused_norm:
+            fused_index = len(terms)
             terms.append((slopes, grads, self.theta))
+        # Where the sums cross ranks, adaptive geometry's ||T v_t|| rides along too (the
+        # ascent needs it before the second pass: a collective of its own otherwise).
+        tv_index = None
+        if self.adaptive and two_pass and layout.collective and (
+                slopes is not None or not any("slope" in self.state[q] for q in lists.params)):
+            ts = [P.adaptive_scale(x, self.eta) if m else torch.ones_like(x) for x, m in zip(params, lists.mask)]
+            tv_index = len(terms)
+            # v_t = d_t from d_{t-1} and g_t; SAM's (and VASSO's d_0) is g_t itself
+            terms.append((slopes, grads, self.theta, ts) if vasso and slopes is not None else (grads, grads, 1.0, ts))
         values = P.reductions(terms, lists.plan, layout=layout).tolist() if params or layout.collective else [0.0]
         grad_norm = values[0]
         if not math.isfinite(grad_norm):
@@ -430,7 +440,7 @@ class SharpnessAware(torch.optim.Optimizer):
                                                     grad_norm, two_pass, None)
         else:
             slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
-                                                    values[-1] if fused_norm else None)
+                                                    values[fused_index] if fused_norm else None)
         if vasso and inner_previous is not None:
             inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
         if not two_pass:
@@ -449,17 +459,23 @@ class SharpnessAware(torch.optim.Optimizer):
             anchors = self._buffers(lists, "anchor", params, scratch=True)
             torch._foreach_copy_(anchors, params)
 
-        eps, scale, ascent_norm, sharpness = self._ascend(lists, slopes, slope_norm, rho)
+        # Where the sums cross ranks, the diagnostics' own sums (adaptive ||eps_t||, the
+        # buffered stability's inner product) are summed with descend()'s reduction.
+        deferred: Optional[list] = [] if layout.collective else None
+        eps, scale, ascent_norm, sharpness = self._ascend(
+            lists, slopes, slope_norm, rho, values[tv_index] if tv_index is not None else None, deferred)
         _moved_parameters()
         diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
         if self.track_stability:
             diag["stability"] = self._stability(lists, grads, slopes, eps, scale, ascent_norm, inner_previous,
-                                                scalar_stability)
+                                                scalar_stability, deferred)
         self._previous = {"rho": rho, "slope_norm": slope_norm, "ascent_norm": ascent_norm}
 
         self._pending = {"kind": "perturbed", "lists": lists, "params": params, "slopes": slopes, "scale": scale,
                          "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True,
-                         "scaled": scaled, "exchange": None}
+                         "scaled": scaled, "exchange": None,
+                         "deferred": (torch.cat([part for part, _ in deferred]), [f for _, f in deferred], diag,
+                                      self._previous) if deferred else None}
         return True
 
     def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
@@ -490,21 +506,31 @@ class SharpnessAware(torch.optim.Optimizer):
             return slopes, grad_norm
         return slopes, float(P.global_norm(slopes, lists.plan, lists.layout))
 
-    def _ascend(self, lists: "_StepLists", slopes: List[torch.Tensor], slope_norm: float, rho: float):
+    def _ascend(self, lists: "_StepLists", slopes: List[torch.Tensor], slope_norm: float, rho: float,
+                tv_norm: Optional[float] = None, deferred: Optional[list] = None):
         """Move to ``x_t + eps_t``; returns ``(eps or None, s or None, ||eps_t||, sharpness)``:
-        plain geometry adds ``s v_t`` without materializing ``eps``."""
+        plain geometry adds ``s v_t`` without materializing ``eps``.  ``tv_norm``: adaptive
+        geometry's ``||T v_t||`` when reduced already; ``deferred``: where the partial sum
+        of ``||eps_t||`` goes when it is to be reduced with descend()'s (NaN until then)."""
         params = lists.local_params()
         if not self.adaptive:
             scale = P.plain_ascent_scale(rho, slope_norm)
             torch._foreach_add_(params, slopes, alpha=scale)
             return None, scale, P.plain_ascent_norm(rho, slope_norm), P.estimated_sharpness(rho, slope_norm)
         eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta,
-                                              plan=lists.plan, layout=lists.layout)
+                                              plan=lists.plan, layout=lists.layout, norm=tv_norm)
         torch._foreach_add_(params, eps)
+        sharpness = P.estimated_sharpness(rho, scaled_norm if tv_norm is None else tv_norm)
+        if deferred is not None:
+            def finish(values, diag, previous):
+                previous["ascent_norm"] = diag["ascent_norm"] = math.sqrt(max(values[0], 0.0))
+            deferred.append((P.local_sums([(eps, None)], lists.plan, lists.layout), finish))
+            return eps, None, _NAN, sharpness
         # device tensors: the diagnostics read them lazily (no host sync here)
-        return eps, None, P.global_norm(eps, lists.plan, lists.layout), P.estimated_sharpness(rho, scaled_norm)
+        return eps, None, P.global_norm(eps, lists.plan, lists.layout), sharpness
 
-    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool):
+    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool,
+                   deferred: Optional[list] = None):
         """``||eps_t - eps_{t-1}||`` (NaN on the first ascent): from scalars where the slope
         buffer still told ``<v_t, v_{t-1}>``, else from the kept ``previous_ascent``; a
         0-dim device tensor (read lazily by the diagnostics) where an inner product of
@@ -517,7 +543,15 @@ class SharpnessAware(torch.optim.Optimizer):
                                      inner_previous, ascent_norm, previous["ascent_norm"])
         kept = self._buffers(lists, "previous_ascent", grads, zeros=True)
         stability = _NAN
-        if previous is not None:
+        if previous is not None and deferred is not None:  # the inner product reduced in descend()
+            term = (eps, kept) if eps is not None else (slopes, kept)
+            factor = 1.0 if eps is not None else scale
+            previous_norm = previous["ascent_norm"]
+
+            def finish(values, diag, now):
+                diag["stability"] = P.distance_between_ascents(now["ascent_norm"], previous_norm, factor * values[0])
+            deferred.append((P.local_sums([term], lists.plan, lists.layout), finish))
+        elif previous is not None:
             if eps is not None:
                 inner = P.reductions([(eps, kept)], lists.plan, layout=lists.layout)[0]
             else:
@@ -614,9 +648,21 @@ class SharpnessAware(torch.optim.Optimizer):
         # with GSAM's ||h_t|| and <g_t, h_t> from the same read; where the sums cross
         # ranks, the one all_reduce carries the scaler's verdict too (the same on every rank).
         terms = [(second, None)] + ([(firsts, second)] if gsam else [])
-        if found_inf is not None and layout.collective:
-            values = P.reductions(terms, plan, layout=layout, extra=[found_inf]).tolist()
-            finite, values = values[-1] == 0.0, values[:-1]
+        if layout.collective:  # the diagnostics' partial sums and the scaler's verdict ride along
+            deferred = pending.get("deferred")
+            extra = ([deferred[0]] if deferred else []) + ([found_inf] if found_inf is not None else [])
+            values = P.reductions(terms, plan, layout=layout, extra=extra).tolist()
+            if found_inf is not None:
+                finite, values = values[-1] == 0.0, values[:-1]
+            else:
+                finite = math.isfinite(values[0])
+            if deferred:
+                sums, finishers, diag, previous = deferred
+                at = len(terms)
+                for finish in finishers:
+                    finish(values[at:], diag, previous)
+                    at += 1
+                values = values[:len(terms)]
         elif found_inf is not None:
             reduced = P.reductions(terms, plan) if gsam else None
             verdict = found_inf.detach().reshape(1).double()
@@ -775,12 +821,30 @@ class SharpnessAware(torch.optim.Optimizer):
             with self.second_pass(model, rng), torch.enable_grad():
                 second = closure()
             if loss is not None and second is not None:
-                self.diagnostics["loss_gap"] = _loss_gap(loss, second)
+                self._set_loss_gap(_loss_gap(loss, second))
         if self._pending["scaled"]:
             scaler.step(self)  # records the overflow in the scaler, then calls step() to finish
         else:
             self.descend()
         return loss
+
+    def _set_loss_gap(self, gap) -> None:
+        """The loss gap of the closure API; on several ranks the mean of the ranks' gaps
+        (each rank's loss is its batch slice's mean, as DDP's is, so the mean is the
+        one-process gap for equal slices), over ``partition_group`` or the default
+        group, by an ``all_reduce`` the diagnostics wait for when first read."""
+        dist = torch.distributed
+        group = self.partition_group
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            self.diagnostics["loss_gap"] = gap
+            return
+        lists = self._lists
+        device = lists.layout.device if lists is not None else torch.device("cpu")
+        gap = (gap.detach().clone() if torch.is_tensor(gap)
+               else torch.tensor(gap, dtype=torch.float64)).to(device, torch.float64).reshape(())
+        gap.div_(dist.get_world_size(group))
+        self.diagnostics["loss_gap"] = gap
+        self.diagnostics.wait_for(dist.all_reduce(gap, group=group, async_op=True))
 
     def _finish_step(self) -> bool:
         """``step()`` without a closure: the explicit API's descend, directly or through
@@ -1233,10 +1297,21 @@ class Diagnostics(MutableMapping):
     keeps that step's values.
     """
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "_works")
 
     def __init__(self, values: Optional[Dict[str, Any]] = None):
         self._values: Dict[str, Any] = dict(values or {})
+        self._works: List[Any] = []
+
+    def wait_for(self, work) -> None:
+        """A collective (``async_op=True``) writing into one of the values: waited for
+        before any value is read, so issuing it costs the step no wait of its own."""
+        self._works.append(work)
+
+    def _wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
 
     def __getitem__(self, key: str) -> float:
         value = self._values[key]
@@ -1263,10 +1338,12 @@ class Diagnostics(MutableMapping):
     def unread(self) -> Dict[str, Any]:
         """The values as they are, without a host sync: floats, and 0-dim device tensors
         nobody has read yet (for a host that logs them and reads them at its own log
-        point, as fairseq's meters do)."""
+        point, as fairseq's meters do).  Collectives still writing them are waited for."""
+        self._wait()
         return dict(self._values)
 
     def _read_all(self) -> None:
+        self._wait()
         lazy = [k for k, v in self._values.items() if torch.is_tensor(v)]
         for device in {self._values[k].device for k in lazy}:
             keys = [k for k in lazy if self._values[k].device == device]

@@ -73,8 +73,10 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, *
     * ``(xs, ys)``: ``<xs, ys>``;
     * ``(ds, gs, theta)``: ``||(1 - theta) ds + theta gs||``, the norm of VASSO's next
       moving average, computed before (and without) updating ``ds``;
+    * ``(ds, gs, theta, ts)``: ``||ts * ((1 - theta) ds + theta gs)||``, the same scaled
+      pointwise (adaptive geometry's ``||T v||``);
 
-    then the 0-dim tensors of ``extra``, summed like the rest.
+    then the values of the tensors of ``extra``, flattened, summed like the rest.
 
     The small tensors of each chunk of :func:`chunk_plan` are flattened once per list
     (one ``torch.cat``) and reduced with one kernel per term; large tensors are reduced
@@ -87,20 +89,28 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, *
     summed over its groups with one ``all_reduce`` before the square roots are taken.
     Every rank must then call this alike, whatever it holds (an empty shard included).
     Reading the result (``tolist()``) is the one host synchronization for all of them."""
+    partial = local_sums(terms, plan, layout)
+    extra = [e.detach().reshape(-1).to(partial.device, torch.float64) for e in extra]
+    if extra:
+        partial = torch.cat([partial] + extra)
+    if layout is not None and layout.collective:
+        layout.all_reduce(partial)
+    is_norm = [len(t) >= 3 or t[1] is None for t in terms]
+    if not any(is_norm):
+        return partial
+    mask = torch.tensor(is_norm + [False] * (partial.numel() - len(terms)), device=partial.device)
+    return torch.where(mask, partial.clamp(min=0.0).sqrt(), partial)
+
+
+def local_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
+    """The terms of :func:`reductions` as this rank's partial sums (squares for the
+    norms, no square root) over the tensors ``layout`` counts, with no collective: to
+    be reduced later, with another reduction's ``extra``."""
     if layout is not None and layout.counted is not None:
         keep = layout.counted
         terms = [tuple([xs[i] for i in keep] if isinstance(xs, (list, tuple)) else xs for xs in term)
                  for term in terms]
-    partial = _partial_sums(terms, plan, layout)
-    if extra:
-        partial = torch.cat([partial] + [e.detach().reshape(1).to(partial.device, torch.float64) for e in extra])
-    if layout is not None and layout.collective:
-        layout.all_reduce(partial)
-    is_norm = [len(t) == 3 or t[1] is None for t in terms]
-    if not any(is_norm):
-        return partial
-    mask = torch.tensor(is_norm + [False] * len(extra), device=partial.device)
-    return torch.where(mask, partial.clamp(min=0.0).sqrt(), partial)
+    return _partial_sums(terms, plan, layout)
 
 
 def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layout) -> torch.Tensor:
@@ -123,14 +133,19 @@ def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layou
 
     results = []
     for term in terms:
-        if len(term) == 3 or term[1] is None:  # a norm: the sum of the squared per-tensor / per-chunk norms
-            if len(term) == 3:
-                ds, gs, theta = term
+        if len(term) >= 3 or term[1] is None:  # a norm: the sum of the squared per-tensor / per-chunk norms
+            if len(term) >= 3:
+                ds, gs, theta = term[:3]
+                ts = term[3] if len(term) == 4 else None
 
-                def averaged(d, g):
-                    return torch.lerp(d, g.to(d.dtype), theta)
-                parts = [torch.linalg.vector_norm(averaged(_wide(ds[i]), _wide(gs[i]))) for i in alone]
-                parts += [torch.linalg.vector_norm(averaged(flat(ds, k), flat(gs, k))) for k in range(len(chunks))]
+                def averaged(d, g, t=None):
+                    v = torch.lerp(d, g.to(d.dtype), theta)
+                    return v if t is None else v * t.to(v.dtype)
+                parts = [torch.linalg.vector_norm(averaged(_wide(ds[i]), _wide(gs[i]),
+                                                           None if ts is None else _wide(ts[i]))) for i in alone]
+                parts += [torch.linalg.vector_norm(averaged(flat(ds, k), flat(gs, k),
+                                                            None if ts is None else flat(ts, k)))
+                          for k in range(len(chunks))]
             else:
                 xs = term[0]
                 big = [xs[i] for i in alone]
@@ -192,6 +207,7 @@ def ascent_direction(
     eta: float = 0.01,
     plan: Optional[List[List[int]]] = None,
     layout=None,
+    norm: Optional[float] = None,
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """The ascent ``eps`` of the sphere's linear maximizer, materialized.
 
@@ -210,9 +226,12 @@ def ascent_direction(
     else:
         scales = [adaptive_scale(x, eta) if m else None for x, m in zip(params, adaptive_mask)]
         scaled = [v * t if t is not None else v.detach().clone() for v, t in zip(slopes, scales)]
-    if not scaled and (layout is None or not layout.collective):
+    if norm is not None:  # ||T v||, reduced already (with the step's first reduction)
+        norm = torch.tensor(norm, dtype=torch.float64, device=scaled[0].device if scaled else None)
+    elif not scaled and (layout is None or not layout.collective):
         return scaled, torch.zeros((), dtype=torch.float64)
-    norm = global_norm(scaled, plan, layout)  # ``plan``/``layout``: see :func:`reductions`
+    else:
+        norm = global_norm(scaled, plan, layout)  # ``plan``/``layout``: see :func:`reductions`
     factor = torch.where(norm > 0.0, rho / norm, torch.zeros_like(norm))  # 0 when v == 0
     for tv, t in zip(scaled, scales):
         if t is not None:

@@ -44,12 +44,12 @@ def batches(world, seed=1):
     return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(STEPS)]
 
 
-def build(kind, params, **extra):
+def build(kind, params, base=torch.optim.AdamW, **extra):
     cls, knobs = VARIANTS[kind]
-    return cls(params, torch.optim.AdamW, rho=0.2, lr=1e-2, **knobs, **extra)
+    return cls(params, base, rho=0.2, lr=1e-2, **knobs, **extra)
 
 
-def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None):
+def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None, read=True):
     """STEPS steps with either API; ``opt`` is what the loop calls step() on (our
     optimizer, or a ZeRO/OSS wrapper), ``explicit_opt`` ours (for perturb/second_pass)."""
     ours = explicit_opt or opt
@@ -72,7 +72,8 @@ def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=Non
                 with ours.second_pass(model, rng):
                     F.cross_entropy(model(x), y).backward()
             (finish or ours.descend)()
-        diags.append({k: float(ours.diagnostics[k]) for k in DIAGNOSTICS})
+        if read:
+            diags.append({k: float(ours.diagnostics[k]) for k in DIAGNOSTICS})
     return diags
 
 
@@ -163,3 +164,305 @@ def every_setting():
         diags = run(oss, model, mine, api, step_model=model, finish=oss.step, explicit_opt=oss.optim)
         out[("OSS", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
     return out
+
+
+# ------------------------------------------------------------------ host waits
+
+
+class CountWaits:
+    """The host waits of a block, as tests/core counts syncs (``aten._local_scalar_dense``
+    plus ``Tensor.tolist``: a read) plus the blocking collectives the core issues (a
+    ``torch.distributed`` call from a ``plugins`` module without ``async_op``: on gloo
+    the host waits for it).  A collective whose result the next event reads is the same
+    wait as that read, so ``waits`` counts reads and the collectives no read follows."""
+
+    COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+    def __init__(self):
+        import sys
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.events = []
+        self._sys = sys
+
+        class Reads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and not counter._in_tolist:
+                    counter.events.append("read")
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Reads()
+        self._in_tolist = False
+
+    def __enter__(self):
+        counter = self
+        self._saved = {name: getattr(dist, name) for name in self.COLLECTIVES}
+        tolist = self._tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            if counter._in_tolist:
+                return tolist(tensor)
+            counter.events.append("read")
+            counter._in_tolist = True
+            try:
+                return tolist(tensor)
+            finally:
+                counter._in_tolist = False
+
+        def wrap(name, original):
+            def collective(*args, **kwargs):
+                caller = counter._sys._getframe(1).f_globals.get("__name__", "")
+                if caller.startswith("plugins") and not kwargs.get("async_op", False):
+                    counter.events.append("collective")
+                return original(*args, **kwargs)
+            return collective
+
+        for name, original in self._saved.items():
+            setattr(dist, name, wrap(name, original))
+        torch.Tensor.tolist = counted_tolist
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    @property
+    def waits(self):
+        ev = self.events
+        return sum(1 for i, e in enumerate(ev) if e == "read" or (e == "collective" and (i + 1 >= len(ev)
+                                                                                            or ev[i + 1] != "read")))
+
+
+def counted_run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None):
+    """``run`` step by step, returning each step's host waits and whether it had two passes."""
+    ours = explicit_opt or opt
+    counts = []
+    for batch in data:
+        with CountWaits() as waits:
+            run(opt, model, [batch], api, step_model=step_model, finish=finish, explicit_opt=explicit_opt,
+                read=False)
+        counts.append((waits.waits, ours.diagnostics["two_pass"], waits.events))
+    return counts
+
+
+def host_waits():
+    """Each member, both APIs, under DDP, FSDP2 and ZeRO, over SGD (whose step reads
+    nothing): the host waits of every step after the first (whose one-time checks and
+    set-ups wait more), the diagnostics unread."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = (my_slice(batches(world)) * 2)[:6]
+    out = {}
+    for kind in VARIANTS:
+        cls, knobs = VARIANTS[kind]
+        for api in ("closure", "explicit"):
+            model = DDP(make_model())
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            out[("DDP", kind, api)] = counted_run(opt, model, data, api)[1:]
+            model = shard(make_model(), init_device_mesh("cpu", (world,)), True)
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            out[("FSDP2", kind, api)] = counted_run(opt, model, data, api)[1:]
+            model = DDP(make_model())
+            zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.SGD,
+                                           partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+            out[("ZeRO", kind, api)] = counted_run(zero, model, data, api, step_model=model, finish=zero.step,
+                                                   explicit_opt=zero.optim)[1:]
+    return out
+
+
+# ------------------------------------------------------------------ mixed precision
+
+
+class CastForward(torch.nn.Module):
+    """One process computing as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) does: the
+    parameters and the input cast to bf16 for the forward, the gradients back in fp32."""
+
+    def __init__(self, inner, dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, x):
+        cast = {n: p.to(self.dtype) for n, p in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, cast, (x.to(self.dtype),))
+
+
+def bf16_policy():
+    """FSDP2 with MixedPrecisionPolicy(bf16 parameters, fp32 reduction) against one
+    process computing in bf16: {kind: (relative error of the updates, sharpness per step
+    distributed, reference's)}."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    fully_shard, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = batches(world)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for i, kind in enumerate(("SAM", "VASSO", "ASAM", "GSAM")):
+        api = ("closure", "explicit")[i % 2]
+        start = [p.detach().clone() for p in make_model().parameters()]
+        ref_model = make_model()
+        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+        ref_diags = run(ref_opt, CastForward(ref_model, torch.bfloat16), data, api)
+        model = make_model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = build(kind, model.parameters(), torch.optim.SGD)
+        diags = run(opt, model, my_slice(data), api)
+        updates = [w - s for w, s in zip(full(model.parameters()), start)]
+        ref_updates = [w.detach() - s for w, s in zip(ref_model.parameters(), start)]
+        out[kind] = (compare(updates, ref_updates), [d["sharpness"] for d in diags],
+                     [d["sharpness"] for d in ref_diags])
+    return out
+
+
+def fp16_scaler(faults):
+    """FSDP2 under fp16 autocast with a stock torch.amp.GradScaler("cpu"), an overflow
+    injected on rank 0 only at (step, pass) of ``faults``, against one process with the
+    same overflow: {(kind, api): (relative error of the updates, steps taken, scales)},
+    and the reference's under ("reference", kind, api)."""
+    fully_shard, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = batches(world, seed=3) * 2
+    out = {}
+
+    def train(model, opt, data, api, fault_here):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+        taken, scales = [], []
+        for t, (x, y) in enumerate(data):
+            passes = []
+
+            def backward():
+                passes.append(1)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                if fault_here and (t, len(passes)) in faults:
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+                return loss
+            before = opt.nonfinite_steps
+            if api == "closure":
+                def closure():
+                    opt.zero_grad()
+                    return backward()
+                opt.step(closure, scaler=scaler)
+            else:
+                rng = rng_state()
+                opt.zero_grad()
+                backward()
+                if opt.perturb(scaler=scaler):
+                    opt.zero_grad()
+                    with opt.second_pass(model, rng):
+                        backward()
+                scaler.step(opt)
+            scaler.update()
+            taken.append(opt.nonfinite_steps == before)
+            scales.append(scaler.get_scale())
+        return taken, scales
+
+    for kind in ("SAM", "VASSO", "GSAM"):
+        for api in ("closure", "explicit"):
+            start = [p.detach().clone() for p in make_model().parameters()]
+            ref_model = make_model()
+            ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+            ref = train(ref_model, ref_opt, data, api, True)
+            model = shard(make_model(), init_device_mesh("cpu", (world,)), True)
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            got = train(model, opt, my_slice(data), api, dist.get_rank() == 0)
+            updates = [w - s for w, s in zip(full(model.parameters()), start)]
+            ref_updates = [w.detach() - s for w, s in zip(ref_model.parameters(), start)]
+            out[(kind, api)] = (compare(updates, ref_updates),) + got
+            out[("reference", kind, api)] = ref
+    return out
+
+
+# ------------------------------------------------------------------ wrong use
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def refusals():
+    """Each wrong use on 2+ ranks, by name: the error's type and message (None: no error)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        from torch.distributed.tensor import DTensor, Partial
+    except ImportError:
+        from torch.distributed._tensor import DTensor
+        from torch.distributed._tensor.placement_types import _Partial as Partial
+    _, init_device_mesh = _fsdp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = my_slice(batches(world))[0]
+    out = {}
+
+    def one_step(opt, net, **kw):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            return loss
+        return opt.step(closure, **kw)
+
+    # a hand-split model: each rank's optimizer holds another part, no partition_group
+    model = make_model()
+    part = [model[0]] if rank % 2 == 0 else [model[2]]
+    opt = VASSO([p for m in part for p in m.parameters()], torch.optim.SGD, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    out["hand-split"] = _error(lambda: one_step(opt, model))
+    out["hand-split unmoved"] = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+    # ZeroRedundancyOptimizer without partition_group
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, base_optimizer=torch.optim.SGD,
+                                   lr=0.1)
+    out["zero without partition_group"] = _error(lambda: one_step(zero, model, model=model))
+
+    # partition_group over DDP replicas (every rank holds every parameter)
+    model = DDP(make_model())
+    opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1, partition_group=dist.group.WORLD)
+    out["replicas with partition_group"] = _error(lambda: one_step(opt, model, model=model))
+
+    # partition_group without the model for the second pass
+    out["partition_group, no model"] = _error(lambda: one_step(opt, model))
+
+    # partition_group with DTensors
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = shard(make_model(), mesh, True)
+    out["partition_group with DTensors"] = _error(
+        lambda: SAM(sharded.parameters(), torch.optim.SGD, lr=0.1, partition_group=dist.group.WORLD))
+
+    # a DTensor with a Partial placement
+    weight = torch.nn.Parameter(DTensor.from_local(torch.randn(3, 2), mesh, [Partial()]))
+    weight.grad = DTensor.from_local(torch.randn(3, 2), mesh, [Partial()])
+    opt = SAM([weight], torch.optim.SGD, lr=0.1)
+    out["Partial placement"] = _error(lambda: opt.perturb())
+
+    # not a process group
+    out["partition_group=3"] = _error(lambda: SAM(make_model().parameters(), torch.optim.SGD, lr=0.1,
+                                                  partition_group=3))
+    return out
+
+
+def two_rank_checks():
+    """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
+    wrong use."""
+    return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
+            "refusals": refusals()}
