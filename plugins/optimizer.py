@@ -420,7 +420,7 @@ class SharpnessAware(torch.optim.Optimizer):
         # ascent needs it before the second pass: a collective of its own otherwise).
         tv_index = None
         if self.adaptive and two_pass and layout.collective and (
-                slopes is not None or not any("slope" in self.state[q] for q in lists.params)):
+                slopes is not None or not any("slope" in self._own_state.get(q, ()) for q in lists.params)):
             ts = [P.adaptive_scale(x, self.eta) if m else torch.ones_like(x) for x, m in zip(params, lists.mask)]
             tv_index = len(terms)
             # v_t = d_t from d_{t-1} and g_t; SAM's (and VASSO's d_0) is g_t itself
@@ -1033,6 +1033,8 @@ class SharpnessAware(torch.optim.Optimizer):
 _KEYWORDS = frozenset(inspect.signature(SharpnessAware.__init__).parameters) - {"self", "params", "rho", "base_kwargs"}
 _OWN_PREFIX = "sam_"  # this wrapper's keys in a parameter's merged state: no torch optimizer uses it
 _COUNTERS = "sam_counters"
+_UNPREFIXED = ("opt.state[p] merges the base optimizer's state with this wrapper's, whose {key!r} is "
+               "'sam_{key}' there (the wrapper's own store is opt._own_state)")
 
 
 def _counters_dict(step, seed, nonfinite_steps, previous) -> Dict[str, Any]:
@@ -1164,8 +1166,15 @@ class _ParamState(MutableMapping):
         own = list(self._own())
         return base + own + ([_COUNTERS] if base or own else [])
 
+    def __contains__(self, key) -> bool:
+        if key in _PERSISTENT:  # the internal name: code meaning the wrapper's buffer must not read False
+            raise KeyError(_UNPREFIXED.format(key=key))
+        return key in self._keys()
+
     def __getitem__(self, key):
         opt, q = self._opt, self._q
+        if key in _PERSISTENT:
+            raise KeyError(_UNPREFIXED.format(key=key))
         if key == _COUNTERS and self._keys():
             return opt._counters()
         if isinstance(key, str) and key.startswith(_OWN_PREFIX):

@@ -78,6 +78,8 @@ def test_each_entry_holds_the_base_moments_beside_ours():
     assert sd["param_groups"][0]["params"] == list(range(len(list(model.parameters()))))
     # opt.state is the same merged view, in torch's per-parameter shape
     assert set(opt.state[first]) == set(entry) and len(opt.state) == len(sd["state"])
+    with pytest.raises(KeyError, match="'sam_slope' there"):  # code meaning our buffer must not read "absent"
+        "slope" in opt.state[first]
 
 
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
