@@ -939,7 +939,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if not counters:
             raise ValueError("not a sharpness-aware optimizer state dict (no 'sam_counters' in its entries, "
                              "no 'sharpness' entry)")
-        if any(c != counters[0] for c in counters[1:]):
+        if len({repr(sorted(c.items())) for c in counters}) > 1:  # repr: NaN (no ascent yet) equals NaN
             raise ValueError("the state dict's entries disagree on 'sam_counters': "
                              f"{sorted({str(c) for c in counters})}")
 

@@ -184,6 +184,13 @@ def test_malformed_state_dicts_are_refused():
     bad["state"][1]["sam_counters"]["step"] = 7
     with pytest.raises(ValueError, match="disagree on 'sam_counters'"):
         opt.load_state_dict(bad)
+    # entries loaded one by one (as torch.distributed.checkpoint does) hold NaNs that are not one object
+    before_any_ascent = build("eSAM", model.parameters(), p=0.0).state_dict()
+    for entry in before_any_ascent["state"].values():
+        entry["sam_counters"] = {k: float(repr(v)) if isinstance(v, float) else v
+                                 for k, v in entry["sam_counters"].items()}
+    assert math.isnan(before_any_ascent["state"][0]["sam_counters"]["last_rho"])
+    build("eSAM", model.parameters(), p=0.0).load_state_dict(before_any_ascent)
     plain = torch.optim.AdamW(model.parameters()).state_dict()  # not ours
     with pytest.raises(ValueError, match="not a sharpness-aware optimizer state dict"):
         opt.load_state_dict(plain)

@@ -116,7 +116,8 @@ def zero_round_trip(root):
     uninterrupted = [p.detach().clone() for p in model.parameters()]
 
     model, zero = make(seed=11)
-    run(zero, model, data[:1], "closure", step_model=model, explicit_opt=zero.optim)  # a state of its own, to be replaced
+    # a state of its own, which the load must replace
+    run(zero, model, data[:1], "closure", step_model=model, explicit_opt=zero.optim)
     checkpoint = torch.load(path, weights_only=True)
     model.module.load_state_dict(checkpoint["model"])
     zero.load_state_dict(checkpoint["optim"])
