@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from dist_cases import VARIANTS, build, full, make_model, run, shard
 
-KINDS = ("eVASSO", "GSAM", "V+G", "adaptive eVASSO")  # d_t and the diagnostic's buffer, g, GSAM, ASAM
+KINDS = ("eVASSO", "GSAM", "adaptive eVASSO")  # d_t, the diagnostic's buffer and the coin; g and GSAM; ASAM
 BEFORE, AFTER = 3, 3  # steps before the checkpoint, and after it
 GLOBAL = 8  # samples per step, divisible by 2 and 4
 
