@@ -74,6 +74,12 @@ def save_on_two(root):
         out[kind] = {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed,
                      "final": counters(opt)}
     out["zero"] = zero_round_trip(root)
+    try:
+        import fairscale  # noqa: F401  (not a dependency of the project)
+    except ImportError:
+        out["oss"] = None
+    else:
+        out["oss"] = zero_round_trip(root, "oss")
     return out
 
 
@@ -84,11 +90,12 @@ def load_on_four(root):
             for kind in KINDS}
 
 
-def zero_round_trip(root):
-    """ZeroRedundancyOptimizer with eVASSO as its class: consolidate_state_dict on rank 0,
-    state_dict() saved there, loaded (weights_only) by a fresh ZeRO on every rank, the run
-    continued.  ZeRO copies every keyword of the class into its param groups, where a
-    process group cannot be saved: the class comes with them bound (docs/distributed.md)."""
+def zero_round_trip(root, wrapper="zero"):
+    """ZeroRedundancyOptimizer (or fairscale's OSS) with eVASSO as its class: the state
+    consolidated on rank 0, its state_dict() saved there, loaded (weights_only) by a fresh
+    wrapper on every rank, the run continued.  The wrappers copy every keyword of the class
+    into their param groups, where a process group cannot be saved: the class comes with
+    them bound (docs/distributed.md)."""
     import functools
 
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -96,32 +103,39 @@ def zero_round_trip(root):
 
     cls, knobs = VARIANTS["eVASSO"]
     data = my_rows(global_batches())
+    bound = functools.partial(cls, base_optimizer=torch.optim.AdamW, partition_group=dist.group.WORLD)
 
     def make(seed):
         model = DDP(make_model())
-        bound = functools.partial(cls, base_optimizer=torch.optim.AdamW, partition_group=dist.group.WORLD)
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=bound, rho=0.2, lr=1e-2, seed=seed,
-                                       **knobs)
-        return model, zero
+        if wrapper == "zero":
+            return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=bound, rho=0.2, lr=1e-2,
+                                                  seed=seed, **knobs)
+        from fairscale.optim import OSS
+        return model, OSS(model.parameters(), optim=bound, rho=0.2, lr=1e-2, seed=seed, **knobs)
 
-    model, zero = make(seed=5)
-    run(zero, model, data[:BEFORE], "closure", step_model=model, explicit_opt=zero.optim)
-    zero.consolidate_state_dict(to=0)
-    path = os.path.join(root, "zero.pt")
+    def train(model, opt, part):
+        run(opt, model, part, "closure", step_model=model, explicit_opt=opt.optim)
+
+    model, opt = make(seed=5)
+    train(model, opt, data[:BEFORE])
+    if wrapper == "zero":
+        opt.consolidate_state_dict(to=0)
+    else:
+        opt.consolidate_state_dict(recipient_rank=0)
+    path = os.path.join(root, wrapper + ".pt")
     if dist.get_rank() == 0:
-        torch.save({"model": model.module.state_dict(), "optim": zero.state_dict()}, path)
+        torch.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, path)
     dist.barrier()
     saved_entries = sorted(torch.load(path, weights_only=True)["optim"]["state"][0])
-    run(zero, model, data[BEFORE:], "closure", step_model=model, explicit_opt=zero.optim)
+    train(model, opt, data[BEFORE:])
     uninterrupted = [p.detach().clone() for p in model.parameters()]
 
-    model, zero = make(seed=11)
-    # a state of its own, which the load must replace
-    run(zero, model, data[:1], "closure", step_model=model, explicit_opt=zero.optim)
+    model, opt = make(seed=11)
+    train(model, opt, data[:1])  # a state of its own, which the load must replace
     checkpoint = torch.load(path, weights_only=True)
     model.module.load_state_dict(checkpoint["model"])
-    zero.load_state_dict(checkpoint["optim"])
-    loaded = counters(zero.optim)
-    run(zero, model, data[BEFORE:], "closure", step_model=model, explicit_opt=zero.optim)
+    opt.load_state_dict(checkpoint["optim"])
+    loaded = counters(opt.optim)
+    train(model, opt, data[BEFORE:])
     return {"entries": saved_entries, "loaded": loaded, "uninterrupted": uninterrupted,
             "resumed": [p.detach().clone() for p in model.parameters()]}

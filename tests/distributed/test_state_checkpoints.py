@@ -3,7 +3,7 @@ FSDP2 saves and loads the optimizer (d_t, the diagnostic's buffer, AdamW's momen
 step counter and the coin's seed) through get/set_optimizer_state_dict; resuming on the
 same world size continues bit for bit, on another world size (2 -> 4 ranks, one of them
 with an empty shard) to float rounding; ZeroRedundancyOptimizer's consolidate_state_dict
-round-trips.  Two spawns in all (state_cases.py runs the cases)."""
+round-trips, and fairscale OSS's.  Two spawns in all (state_cases.py runs the cases)."""
 
 import pytest
 import torch
@@ -48,10 +48,13 @@ def test_fsdp2_resume_on_four_ranks_continues_the_two_rank_trajectory(checkpoint
             assert worst <= 1e-5, (kind, worst)  # without d_t restored: 6e-3 (tried)
 
 
-def test_zero_redundancy_optimizer_consolidated_state_dict_round_trips(checkpoints):
+@pytest.mark.parametrize("wrapper", ["zero", "oss"], ids=["ZeroRedundancyOptimizer", "fairscale OSS"])
+def test_consolidated_state_dict_of_optimizer_state_sharding_round_trips(checkpoints, wrapper):
     two, _ = checkpoints
+    if two[0][wrapper] is None:
+        pytest.skip("fairscale is not installed")
     for rank in two:
-        zero = rank["zero"]
+        zero = rank[wrapper]
         # one torch-shaped entry: AdamW's moments beside d_t, the diagnostic's buffer and the counters
         assert zero["entries"] == ["exp_avg", "exp_avg_sq", "sam_counters", "sam_previous_ascent", "sam_slope",
                                    "step"]
