@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plugins import SAM, VASSO
+from plugins import SAM, VASSO, PartitionGroup
 from plugins.perturbation import rng_state
 
 VARIANTS = {
@@ -118,7 +118,8 @@ def shard(model, mesh, reshard):
 def every_setting():
     """Each member under DDP, FSDP2 (reshard after forward or not, a 2-D mesh where
     the world is even), ZeroRedundancyOptimizer and fairscale's OSS, against one process.
-    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)}."""
+    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)} and,
+    under "local sizes", the sizes of this rank's FSDP2 shards."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -142,6 +143,7 @@ def every_setting():
             opt = build(kind, model.parameters())
             diags = run(opt, model, mine, api)
             out[(f"FSDP2 reshard={reshard}", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+            out["local sizes"] = [p.to_local().shape[0] for p in model.parameters()]
 
         if world % 2 == 0:
             mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -160,7 +162,7 @@ def every_setting():
         from fairscale.optim import OSS
         model = DDP(make_model())
         oss = OSS(model.parameters(), optim=cls, base_optimizer=torch.optim.AdamW,
-                  partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+                  partition_group=PartitionGroup(dist.group.WORLD), rho=0.2, lr=1e-2, **knobs)
         diags = run(oss, model, mine, api, step_model=model, finish=oss.step, explicit_opt=oss.optim)
         out[("OSS", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
     return out
@@ -443,6 +445,24 @@ def refusals():
     # partition_group without the model for the second pass
     out["partition_group, no model"] = _error(lambda: one_step(opt, model))
 
+    # partition_group with a second pass outside second_pass(model, rng), and the
+    # ecosystem's first_step/second_step (whose loops do that)
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=SAM, base_optimizer=torch.optim.SGD,
+                                   partition_group=dist.group.WORLD, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def outside():
+        zero.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert zero.optim.perturb()
+        zero.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        zero.step()
+    out["second pass outside second_pass"] = _error(outside)
+    out["outside: unmoved"] = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    out["first_step"] = _error(lambda: zero.optim.first_step())
+
     # partition_group with DTensors
     mesh = init_device_mesh("cpu", (world,))
     sharded = shard(make_model(), mesh, True)
@@ -454,6 +474,18 @@ def refusals():
     weight.grad = DTensor.from_local(torch.randn(3, 2), mesh, [Partial()])
     opt = SAM([weight], torch.optim.SGD, lr=0.1)
     out["Partial placement"] = _error(lambda: opt.perturb())
+
+    # ZeRO keeps the keyword in its param_groups (so in its state_dict): a PartitionGroup
+    # pickles there, a loaded one (no live group) is refused when building
+    import pickle
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, base_optimizer=torch.optim.SGD,
+                                   partition_group=PartitionGroup(), lr=0.1)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+    loaded = pickle.loads(pickle.dumps(hyper))[0]["partition_group"]
+    out["PartitionGroup pickles"] = (loaded.ranks == list(range(world)), loaded.group is None)
+    out["loaded PartitionGroup"] = _error(lambda: VASSO(make_model().parameters(), torch.optim.SGD, lr=0.1,
+                                                        partition_group=loaded))
 
     # not a process group
     out["partition_group=3"] = _error(lambda: SAM(make_model().parameters(), torch.optim.SGD, lr=0.1,

@@ -80,12 +80,23 @@ def test_fsdp2_with_fp16_autocast_and_a_grad_scaler_skips_an_overflow_on_every_r
     ("partition_group with DTensors", "partition_group must be None for DTensor"),
     ("Partial placement", "Shard and Replicate placements only"),
     ("partition_group=3", "partition_group must be a torch.distributed ProcessGroup"),
+    ("loaded PartitionGroup", "holds no process group: pass the live group"),
+    ("second pass outside second_pass", "ran outside second_pass(model, rng)"),
+    ("first_step", "use step(closure, model=model), or perturb(), second_pass(model, rng)"),
 ])
 def test_wrong_use_is_refused_with_what_to_pass(ranks, case, words):
     for rank in ranks:
         error = rank["refusals"][case]
-        assert error is not None and error[0] == "ValueError" and words in error[1], (case, error)
-    assert ranks[0]["refusals"]["hand-split unmoved"] and ranks[1]["refusals"]["hand-split unmoved"]
+        assert error is not None and error[0] in ("ValueError", "RuntimeError") and words in error[1], (case, error)
+    for rank in ranks:  # refused before the weights moved, or put back
+        assert rank["refusals"]["hand-split unmoved"] and rank["refusals"]["outside: unmoved"]
+
+
+def test_a_partition_group_handle_survives_the_wrappers_state_dict(ranks):
+    """ZeroRedundancyOptimizer copies partition_group into its param_groups; as a
+    PartitionGroup it pickles (as its ranks, no live group)."""
+    for rank in ranks:
+        assert rank["refusals"]["PartitionGroup pickles"] == (True, True)
 
 
 def test_unknown_tensor_types_and_an_uninitialized_group_are_refused():
