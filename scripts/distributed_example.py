@@ -6,7 +6,8 @@ ZeroRedundancyOptimizer, each checkpointed midway and resumed (docs/distributed.
 
 Runs on CPUs (gloo).  Every rank takes its rows of the same global batch; for each setup
 rank 0 prints the losses, how far the weights are from one process training on the whole
-batch, and whether the run resumed from its checkpoint continues identically.  The
+batch, and how far the run resumed from its checkpoint ends from the uninterrupted one
+("identical": bit for bit).  The
 checkpoints go under ``--out``: FSDP2's as a torch.distributed.checkpoint folder, DDP's
 and ZeRO's as one file written by rank 0.
 """
@@ -142,10 +143,10 @@ def run(setup, data, save_at, out):
     load(setup, model, opt, path)
     train(opt, model, data[save_at:], zero=zero)
     resumed = full_weights(model)
-    same = all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
+    resume_gap = max(float((a - b).abs().max()) for a, b in zip(resumed, uninterrupted))
     reference = one_process(data)
     error = max(float((a - b).abs().max()) for a, b in zip(uninterrupted, reference))
-    return losses, error, same
+    return losses, error, resume_gap
 
 
 def main(argv=None):
@@ -171,12 +172,14 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         data = batches(args.steps)
         for setup in args.setups:
-            losses, error, same = run(setup, data, args.save_at, args.out)
+            losses, error, resume_gap = run(setup, data, args.save_at, args.out)
+            resumed = "identical" if resume_gap == 0.0 else f"max |w - uninterrupted| {resume_gap:.1e}"
             if dist.get_rank() == 0:
                 print(f"{setup:6s} {dist.get_world_size()} ranks, {args.steps} steps: loss {losses[0]:.4f} -> "
                       f"{losses[-1]:.4f} (rank 0's rows), max |w - one process| {error:.1e}, resumed after step "
-                      f"{args.save_at}: {'identical' if same else 'DIFFERENT'}", flush=True)
-            if not (same and math.isfinite(error) and error < 1e-5):
+                      f"{args.save_at}: {resumed}", flush=True)
+            # every rank holds the full weights here, so every rank decides alike
+            if not (math.isfinite(error) and error < 1e-5 and resume_gap < 1e-5):
                 return 1
     finally:
         dist.destroy_process_group()
