@@ -137,7 +137,9 @@ class Layout:
                              "carry their device mesh, over which the step reduces; partition_group names the "
                              "ranks of plain tensors split by hand or by ZeroRedundancyOptimizer / OSS")
         self.replica_check = not self.sharded and partition_group is None and _world() > 1
-        if partition_group is not None:
+        # a group of this rank alone: its parameters are its own (ranks training models of their own)
+        self.partitioned = partition_group is not None and torch.distributed.get_world_size(partition_group) > 1
+        if self.partitioned:
             self.groups = [partition_group]
         elif self.sharded:
             self._mesh_groups(params, kinds, Shard, Replicate)
@@ -200,7 +202,7 @@ class Layout:
         """Once per set of parameters: plain tensors on several ranks without
         ``partition_group`` must be replicas (DDP), and with it they must not be.  One
         ``all_gather`` of a fingerprint (count, elements, the sum of the values)."""
-        if not (self.replica_check or self.partition_group is not None):
+        if not (self.replica_check or self.partitioned):
             return
         dist = torch.distributed
         group = self.partition_group
@@ -220,8 +222,10 @@ class Layout:
                              f"across the {len(rows)} ranks), so they are not DDP replicas: pass "
                              "partition_group=<the process group the parameters are split over> (ZeRO / OSS, a "
                              "hand-split model) so that the step's norms are summed over it; wrap replicas in "
-                             "DistributedDataParallel (its initial broadcast makes them equal)")
-        if self.partition_group is not None and alike and len(rows) > 1 and rows[0][0] > 0:
+                             "DistributedDataParallel (its initial broadcast makes them equal); ranks that train "
+                             "models of their own pass a group of one rank, "
+                             "partition_group=torch.distributed.new_subgroups(1)[0]")
+        if self.partitioned and alike and len(rows) > 1 and rows[0][0] > 0:
             raise ValueError("partition_group is given, but every rank's optimizer holds the same parameters "
                              "(replicas, as under DDP): their norms would be counted once per rank; drop "
                              "partition_group for replicas")
@@ -268,7 +272,8 @@ class AscentExchange:
         if len(mine) != len(owned):
             raise ValueError("partition_group: the optimizer holds parameters that are not in the model passed "
                              "to second_pass()/step()")
-        owners = [int(r[0]) if len(r) else -1 for r in (table[:, j].nonzero().flatten() for j in range(len(model_params)))]
+        holders = (table[:, j].nonzero().flatten() for j in range(len(model_params)))
+        owners = [int(r[0]) if len(r) else -1 for r in holders]  # -1: optimized by no rank
         # per dtype: each rank's parameters in model order, and the padded chunk size
         self.plan: List[Tuple[torch.dtype, List[List[int]], int]] = []
         for dtype in sorted({p.dtype for p in model_params}, key=str):

@@ -431,6 +431,23 @@ def refusals():
     out["hand-split"] = _error(lambda: one_step(opt, model))
     out["hand-split unmoved"] = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
+    # ranks training models of their own name a group of one rank: each rank's step is
+    # then its own one-process step, on its own data
+    alone, _ = dist.new_subgroups(1)
+    torch.manual_seed(10 + rank)
+    own = torch.nn.Linear(6, 3)
+    start = [p.detach().clone() for p in own.parameters()]
+    opt = VASSO(own.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, partition_group=alone)
+    one_step(opt, own)
+    # by hand: VASSO's first step is SAM's (d_0 = g_0) over SGD, on this rank's data alone
+    w = [p.clone().requires_grad_() for p in start]
+    g = torch.autograd.grad(F.cross_entropy(F.linear(x, *w), y), w)
+    norm = torch.sqrt(sum((t * t).sum() for t in g))
+    lifted = [(p + 0.05 * t / norm).detach().requires_grad_() for p, t in zip(start, g)]
+    h = torch.autograd.grad(F.cross_entropy(F.linear(x, *lifted), y), lifted)
+    expected = [p - 0.1 * t for p, t in zip(start, h)]
+    out["own models"] = max(float((a - b).abs().max()) for a, b in zip(own.parameters(), expected)) <= 1e-6
+
     # ZeroRedundancyOptimizer without partition_group
     model = DDP(make_model())
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, base_optimizer=torch.optim.SGD,

@@ -92,6 +92,12 @@ def test_wrong_use_is_refused_with_what_to_pass(ranks, case, words):
         assert rank["refusals"]["hand-split unmoved"] and rank["refusals"]["outside: unmoved"]
 
 
+def test_ranks_with_models_of_their_own_name_a_group_of_one_rank(ranks):
+    """The way out the hand-split error names: partition_group of this rank alone gives
+    each rank the one-process step of its own model, bit for bit."""
+    assert ranks[0]["refusals"]["own models"] and ranks[1]["refusals"]["own models"]
+
+
 def test_a_partition_group_handle_survives_the_wrappers_state_dict(ranks):
     """ZeroRedundancyOptimizer copies partition_group into its param_groups; as a
     PartitionGroup it pickles (as its ranks, no live group)."""
