@@ -246,9 +246,9 @@ class FairseqSharpnessAware(FairseqOptimizer):
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         self.abandon()
         # FP16Optimizer adds "loss_scale" beside our entries; the core does not want it
-        own = {k: v for k, v in state_dict.items() if k in ("base_optimizer", "state", "sharpness")}
-        self._optimizer.load_state_dict(own)
-        self._keep_fp32_moments(own["base_optimizer"]["state"])
+        own = {k: v for k, v in state_dict.items() if k in ("state", "param_groups", "sharpness", "base_optimizer")}
+        self._optimizer.load_state_dict(own)  # today's format, or the earlier one ("base_optimizer")
+        self._keep_fp32_moments(self._optimizer.base_optimizer_state(own))
         if optimizer_overrides is not None and len(optimizer_overrides) > 0:
             for group in self.param_groups:
                 group.update(optimizer_overrides)

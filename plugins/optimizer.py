@@ -238,6 +238,10 @@ class SharpnessAware(torch.optim.Optimizer):
         self._scratch: Dict[torch.Tensor, Dict[str, torch.Tensor]] = defaultdict(dict)
         self._pending: Optional[Dict[str, Any]] = None  # the step between perturb() and descend()
         self._lists: Optional[_StepLists] = None
+        # This wrapper's per-parameter buffers ("slope", "previous_ascent").  ``opt.state`` shows
+        # them merged with the base optimizer's state, in torch's shape (``_MergedState``).
+        self._own_state: Dict[torch.Tensor, Dict[str, Any]] = defaultdict(dict)
+        self.state = _MergedState(self)
         self._exchange: Dict[str, Any] = {}  # partition_group: the AscentExchange of the model
         if self.partition_group is not None and any(D.is_dtensor(q) for q in self._all_params()):
             raise ValueError("partition_group must be None for DTensor parameters (FSDP2, fully_shard): they "
@@ -324,7 +328,7 @@ class SharpnessAware(torch.optim.Optimizer):
         out = lists.buffers.get(key)
         if out is not None:
             return out
-        store = self._scratch if scratch else self.state
+        store = self._scratch if scratch else self._own_state
         out = []
         for q, src in zip(lists.params, like):
             buf = store[q].get(key)
@@ -426,7 +430,7 @@ class SharpnessAware(torch.optim.Optimizer):
         # ascent needs it before the second pass: a collective of its own otherwise).
         tv_index = None
         if self.adaptive and two_pass and layout.collective and (
-                slopes is not None or not any("slope" in self.state[q] for q in lists.params)):
+                slopes is not None or not any("slope" in self._own_state.get(q, ()) for q in lists.params)):
             ts = [P.adaptive_scale(x, self.eta) if m else torch.ones_like(x) for x, m in zip(params, lists.mask)]
             tv_index = len(terms)
             # v_t = d_t from d_{t-1} and g_t; SAM's (and VASSO's d_0) is g_t itself
@@ -498,7 +502,7 @@ class SharpnessAware(torch.optim.Optimizer):
         # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
         kept = None
         if slopes is None:  # new buffers start at d_0 = g_0
-            fresh = {id(q) for q in lists.params if "slope" not in self.state[q]}
+            fresh = {id(q) for q in lists.params if "slope" not in self._own_state.get(q, ())}
             slopes = self._buffers(lists, "slope", grads)
             kept = [i for i, q in enumerate(lists.params) if id(q) not in fresh]
             if kept:
@@ -576,8 +580,9 @@ class SharpnessAware(torch.optim.Optimizer):
         parameters with a gradient changed since the last step), as a device tensor."""
         layout = lists.layout
         counted = range(len(grads)) if layout.counted is None else layout.counted
-        pairs = [(grads[i], D.local(self.state[lists.params[i]]["slope"])) for i in counted
-                 if "slope" in self.state[lists.params[i]]]
+        own = self._own_state
+        pairs = [(grads[i], D.local(own[lists.params[i]]["slope"])) for i in counted
+                 if "slope" in own.get(lists.params[i], ())]
         return P.dot([g for g, _ in pairs], [v for _, v in pairs], layout.unfiltered())
 
     @torch.no_grad()
@@ -889,6 +894,9 @@ class SharpnessAware(torch.optim.Optimizer):
         grad_scale = self.__dict__.get("grad_scale")
         pending = self._pending
         problem = None
+        if pending is None and self._is_state_initialization():
+            self.base_optimizer.step()  # lr 0, zero gradients: creates the base's state, moves nothing
+            return False
         if pending is None:
             problem = (f"{type(self).__name__}.step() needs a closure that re-evaluates the loss; "
                        "loops that own forward/backward use perturb() and descend() (or scaler.step(opt) "
@@ -909,23 +917,37 @@ class SharpnessAware(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
 
-    def _all_params(self) -> List[torch.Tensor]:
-        return [q for g in self.param_groups for q in g["params"]]
-
     def state_dict(self) -> Dict[str, Any]:
-        """The base optimizer's state dict (its param groups carry rho) plus this
-        wrapper's buffers and counters."""
+        """torch's optimizer state dict: ``{"state": {index: {...}}, "param_groups": [...]}``.
+
+        Each parameter's entry holds the base optimizer's state (Adam's ``exp_avg``, ...)
+        beside this wrapper's: ``sam_slope`` (``d_t`` for VASSO), ``sam_previous_ascent``
+        where kept, and ``sam_counters`` (the step counter and seed of the coin, the
+        skipped-step count and the last ascent's norms, the same in every entry, as Adam's
+        ``step``), so that tools which handle per-parameter state only (torch's
+        ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` under FSDP2,
+        ``ZeroRedundancyOptimizer.consolidate_state_dict``) carry all of it.  The param
+        groups are the base optimizer's (they carry ``rho``); ``"sharpness"`` repeats the
+        counters with the knobs, for provenance.
+        """
         if self._pending is not None:
             raise RuntimeError("state_dict() in the middle of a step: call descend() or abandon() first")
-        index = {id(q): i for i, q in enumerate(self._all_params())}
-        own = {index[id(q)]: {k: v for k, v in buffers.items() if k in _PERSISTENT}
-               for q, buffers in self.state.items() if id(q) in index}
+        base = self.base_optimizer.state_dict()
+        counters = self._counters()
+        state = {k: v for k, v in base["state"].items() if not isinstance(k, int)}  # torch keeps strays
+        for i, q in enumerate(self._all_params()):
+            entry = dict(base["state"].get(i, {}))
+            view = self.state[q]
+            entry.update((k, view[k]) for k in view.own_keys())  # not copied, as torch's are not
+            if entry:
+                entry[_COUNTERS] = dict(counters)
+                state[i] = entry
         return {
-            "base_optimizer": self.base_optimizer.state_dict(),
-            "state": {i: b for i, b in own.items() if b},
-            "sharpness": {"step": self._step, "seed": self.seed,
+            "state": state,
+            "param_groups": [self._saved_group(g) for g in base["param_groups"]],
+            "sharpness": {"step": counters["step"], "seed": counters["seed"],
                           "previous": self._previous and {k: _as_float(v) for k, v in self._previous.items()},
-                          "nonfinite_steps": self._nonfinite_steps,
+                          "nonfinite_steps": counters["nonfinite_steps"],
                           # recorded for provenance; the constructor's values are the ones used
                           "rho": self.rho, "theta": self.theta, "adaptive": self.adaptive, "eta": self.eta,
                           "gsam_alpha": self.gsam_alpha, "p": self.p, "rho_min": self.rho_min,
@@ -933,37 +955,309 @@ class SharpnessAware(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if "base_optimizer" not in state_dict or "sharpness" not in state_dict:
-            raise ValueError("not a sharpness-aware optimizer state dict (no 'base_optimizer'/'sharpness' entries)")
+        """Load :meth:`state_dict`'s output, keyed by index or (as torch's
+        ``set_optimizer_state_dict`` passes it) by parameter name, or a state dict
+        of the earlier format (``{"base_optimizer", "state", "sharpness"}``)."""
+        if "base_optimizer" in state_dict:
+            state_dict = _from_wrapped_format(state_dict)
+        if "param_groups" not in state_dict or "state" not in state_dict:
+            raise ValueError("not an optimizer state dict (no 'state'/'param_groups' entries)")
+        base_state: Dict[Any, Dict[str, Any]] = {}
+        own: Dict[Any, Dict[str, Any]] = {}
+        counters = []
+        for key, entry in state_dict["state"].items():
+            if entry is None:  # ZeroRedundancyOptimizer clears the entries other ranks hold
+                continue
+            base_part, own_part, entry_counters = _split_entry(entry)
+            base_state[key] = base_part
+            if own_part:
+                own[key] = own_part
+            if entry_counters is not None:
+                counters.append(entry_counters)
+        if not counters and "sharpness" in state_dict:  # no entry carries them: no parameter had state
+            meta = state_dict["sharpness"]
+            counters.append(_counters_dict(meta["step"], meta["seed"], meta.get("nonfinite_steps", 0),
+                                           meta.get("previous")))
+        if not counters:
+            raise ValueError("not a sharpness-aware optimizer state dict (no 'sam_counters' in its entries, "
+                             "no 'sharpness' entry)")
+        if len({repr(sorted(c.items())) for c in counters}) > 1:  # repr: NaN (no ascent yet) equals NaN
+            raise ValueError("the state dict's entries disagree on 'sam_counters': "
+                             f"{sorted({str(c) for c in counters})}")
+
         rho = self.defaults["rho"]
-        self.base_optimizer.load_state_dict(state_dict["base_optimizer"])
+        self.base_optimizer.load_state_dict({"state": base_state, "param_groups": state_dict["param_groups"]})
         # torch's load_state_dict rebuilds the group list: link it again.
         self.param_groups = self.base_optimizer.param_groups
         for group in self.param_groups:  # a state dict from before rho lived in the groups
             group.setdefault("rho", rho)
         self._group_rho()
-        params = self._all_params()
-        self.state = defaultdict(dict)
-        for i, buffers in state_dict["state"].items():
-            q = params[int(i)]
-            self.state[q] = {k: v.detach().to(device=q.device, dtype=q.dtype).clone() for k, v in buffers.items()}
-        meta = state_dict["sharpness"]
-        self._step = int(meta["step"])
-        self.seed = int(meta["seed"])
-        self._previous = dict(meta["previous"]) if meta["previous"] is not None else None
-        self._nonfinite_steps = int(meta.get("nonfinite_steps", 0))
+        # entries are matched to parameters by position in the groups, as torch does
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        by_key = dict(zip(saved, self._all_params()))
+        self._own_state = defaultdict(dict)
+        self._set_counters(counters[0])
+        if self._step > 0:  # before the first step, buffers are placeholders (see _MergedState)
+            for key, buffers in own.items():
+                q = by_key[key]
+                self._own_state[q] = {k: v.detach().to(device=q.device, dtype=q.dtype).clone()
+                                      for k, v in buffers.items()}
         self._scratch = defaultdict(dict)
         self._pending = None
         self._lists = None
 
+    @staticmethod
+    def base_optimizer_state(state_dict: Dict[str, Any]) -> Dict[Any, Dict[str, Any]]:
+        """The base optimizer's per-parameter state (``exp_avg``, ...) in a state dict of
+        this class, of today's format or the earlier one, keyed as there."""
+        if "base_optimizer" in state_dict:
+            state_dict = _from_wrapped_format(state_dict)
+        return {k: _split_entry(v)[0] for k, v in state_dict["state"].items() if v is not None}
+
+    def _saved_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """A param group as saved: without this class's own keywords, which
+        ``ZeroRedundancyOptimizer`` and ``OSS`` copy into every group of the optimizer they
+        build (``partition_group``, a process group, cannot be saved at all; ``base_optimizer``
+        is a class); ``rho`` stays, it lives in the groups."""
+        own = _KEYWORDS.difference(self.base_optimizer.defaults)
+        return {k: v for k, v in group.items() if k not in own}
+
+    def _counters(self) -> Dict[str, Any]:
+        return _counters_dict(self._step, self.seed, self._nonfinite_steps, self._previous)
+
+    def _set_counters(self, counters: Dict[str, Any]) -> None:
+        self._step = int(counters["step"])
+        self.seed = int(counters["seed"])
+        self._nonfinite_steps = int(counters["nonfinite_steps"])
+        last = [float(counters[k]) for k in ("last_rho", "last_slope_norm", "last_ascent_norm")]
+        self._previous = None if math.isnan(last[0]) else dict(zip(("rho", "slope_norm", "ascent_norm"), last))
+        self._lists = None
+
+    def _persistent_names(self) -> List[str]:
+        """The persistent buffers a parameter with a gradient holds once this configuration
+        has stepped: ``slope``, and ``previous_ascent`` where the stability needs it."""
+        scalar_stability = not self.adaptive and (self.theta is None or self.p >= 1.0)
+        return ["slope"] + (["previous_ascent"] if self.track_stability and not scalar_stability else [])
+
+    def _is_state_initialization(self) -> bool:
+        """True for ``step()`` as torch's checkpoint tools call it to create the state of an
+        optimizer that has none (``torch.distributed.checkpoint.state_dict._init_optim_state``:
+        every gradient zero, every lr 0, no closure)."""
+        if self.state or self._step or not self.param_groups:
+            return False
+        for group in self.param_groups:
+            if float(group.get("lr", 0.0)) != 0.0:
+                return False
+            for q in group["params"]:
+                if q.grad is None:
+                    if q.requires_grad:
+                        return False
+                    continue
+                grad = q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad
+                if bool(grad.any()):
+                    return False
+        return True
+
+    def _all_params(self) -> List[torch.Tensor]:
+        return [q for g in self.param_groups for q in g["params"]]
+
     def state_nbytes(self, *, include_scratch: bool = True) -> int:
         """Bytes this wrapper holds beyond the base optimizer (persistent state, and
         the per-step scratch buffers such as ``anchor`` when ``include_scratch``)."""
-        total = sum(v.numel() * v.element_size() for b in self.state.values() for v in b.values()
+        total = sum(v.numel() * v.element_size() for b in self._own_state.values() for v in b.values()
                     if torch.is_tensor(v))
         if include_scratch:
             total += sum(v.numel() * v.element_size() for b in self._scratch.values() for v in b.values())
         return total
+
+
+# the constructor's keywords, which a param group holds only when a wrapper put them there
+_KEYWORDS = frozenset(inspect.signature(SharpnessAware.__init__).parameters) - {"self", "params", "rho", "base_kwargs"}
+_OWN_PREFIX = "sam_"  # this wrapper's keys in a parameter's merged state: no torch optimizer uses it
+_COUNTERS = "sam_counters"
+_UNPREFIXED = ("opt.state[p] merges the base optimizer's state with this wrapper's, whose {key!r} is "
+               "'sam_{key}' there (the wrapper's own store is opt._own_state)")
+
+
+def _counters_dict(step, seed, nonfinite_steps, previous) -> Dict[str, Any]:
+    """The wrapper's scalars as plain numbers (NaN norms: no ascent yet), the value of
+    ``sam_counters``: ints and floats only, which every checkpoint tool keeps."""
+    previous = previous or {}
+    return {"step": int(step), "seed": int(seed), "nonfinite_steps": int(nonfinite_steps),
+            "last_rho": _as_float(previous.get("rho", _NAN)),
+            "last_slope_norm": _as_float(previous.get("slope_norm", _NAN)),
+            "last_ascent_norm": _as_float(previous.get("ascent_norm", _NAN))}
+
+
+def _split_entry(entry: Dict[str, Any]):
+    """One parameter's merged state -> (the base optimizer's, this wrapper's buffers, counters or None)."""
+    base, own, counters = {}, {}, None
+    for key, value in entry.items():
+        if key == _COUNTERS:
+            counters = {k: value[k] for k in ("step", "seed", "nonfinite_steps", "last_rho", "last_slope_norm",
+                                               "last_ascent_norm")}
+        elif isinstance(key, str) and key.startswith(_OWN_PREFIX):
+            name = key[len(_OWN_PREFIX):]
+            if name not in _PERSISTENT:
+                raise ValueError(f"unknown sharpness-aware state {key!r} (known: "
+                                 f"{[_OWN_PREFIX + n for n in _PERSISTENT] + [_COUNTERS]})")
+            own[name] = value
+        else:
+            base[key] = value
+    return base, own, counters
+
+
+def _from_wrapped_format(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """A state dict of the earlier format, ``{"base_optimizer": <the base's state dict>,
+    "state": {index: {"slope": ...}}, "sharpness": {...}}``, in today's shape."""
+    if "sharpness" not in state_dict:
+        raise ValueError("not a sharpness-aware optimizer state dict (no 'base_optimizer'/'sharpness' entries)")
+    base = state_dict["base_optimizer"]
+    state = {k: dict(v) for k, v in base["state"].items()}
+    for k, buffers in state_dict.get("state", {}).items():
+        state.setdefault(int(k), {}).update((_OWN_PREFIX + name, v) for name, v in buffers.items())
+    return {"state": state, "param_groups": base["param_groups"], "sharpness": state_dict["sharpness"]}
+
+
+class _MergedState(MutableMapping):
+    """``opt.state``: per parameter, the base optimizer's state and this wrapper's, as one
+    dict in torch's shape (``exp_avg``, ..., ``sam_slope``, ``sam_counters``).
+
+    torch's checkpoint tools read and write an optimizer's per-parameter state through
+    ``opt.state`` (``ZeroRedundancyOptimizer.load_state_dict`` assigns ``opt.state[p]``;
+    ``set_optimizer_state_dict`` lists ``opt.state[p]``'s keys), so this view routes each
+    key to where it lives: ``sam_*`` to the wrapper, the rest to the base optimizer.  A
+    parameter is in the mapping when it holds real state; before the first step, a
+    parameter that requires a gradient also lists zero placeholders of the buffers this
+    configuration will hold, so that a checkpoint template made from a fresh optimizer
+    has a tensor for each of them (they are never used: loading a state dict saved
+    before any step drops them, and the first step creates the buffers anew).
+    """
+
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt: "SharpnessAware"):
+        self._opt = opt
+
+    def _holds(self, q) -> bool:
+        return bool(self._opt.base_optimizer.state.get(q)) or bool(self._opt._own_state.get(q))
+
+    def __getitem__(self, q) -> "_ParamState":
+        return _ParamState(self._opt, q)  # never a KeyError: torch's state is a defaultdict
+
+    def __setitem__(self, q, entry) -> None:
+        opt = self._opt
+        base, own, counters = _split_entry(dict(entry))
+        if base:
+            opt.base_optimizer.state[q] = base
+        else:
+            opt.base_optimizer.state.pop(q, None)
+        if own:
+            opt._own_state[q] = own
+        else:
+            opt._own_state.pop(q, None)
+        if counters is not None:
+            opt._set_counters(counters)
+        opt._lists = None
+
+    def __delitem__(self, q) -> None:
+        self._opt.base_optimizer.state.pop(q, None)
+        self._opt._own_state.pop(q, None)
+        self._opt._lists = None
+
+    def __contains__(self, q) -> bool:
+        return self._holds(q)
+
+    def __iter__(self):
+        seen = set()
+        for q in list(self._opt._all_params()) + list(self._opt.base_optimizer.state) + list(self._opt._own_state):
+            if id(q) not in seen and self._holds(q):
+                seen.add(id(q))
+                yield q
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} parameters with state)"
+
+
+class _ParamState(MutableMapping):
+    """One parameter's entry of :class:`_MergedState`."""
+
+    __slots__ = ("_opt", "_q")
+
+    def __init__(self, opt: "SharpnessAware", q):
+        self._opt, self._q = opt, q
+
+    def own_keys(self) -> List[str]:
+        """This wrapper's buffers for the parameter (``sam_slope``, ...), placeholders included."""
+        return list(self._own())
+
+    def _own(self) -> Dict[str, Any]:
+        opt, q = self._opt, self._q
+        own = opt._own_state.get(q)
+        if own:
+            return {_OWN_PREFIX + k: v for k, v in own.items() if k in _PERSISTENT}
+        if opt._step == 0 and getattr(q, "requires_grad", False):  # placeholders, see _MergedState
+            return {_OWN_PREFIX + k: None for k in opt._persistent_names()}
+        return {}
+
+    def _keys(self) -> List[str]:
+        base = list(self._opt.base_optimizer.state.get(self._q, ()))
+        own = list(self._own())
+        return base + own + ([_COUNTERS] if base or own else [])
+
+    def __contains__(self, key) -> bool:
+        if key in _PERSISTENT:  # the internal name: code meaning the wrapper's buffer must not read False
+            raise KeyError(_UNPREFIXED.format(key=key))
+        return key in self._keys()
+
+    def __getitem__(self, key):
+        opt, q = self._opt, self._q
+        if key in _PERSISTENT:
+            raise KeyError(_UNPREFIXED.format(key=key))
+        if key == _COUNTERS and self._keys():
+            return opt._counters()
+        if isinstance(key, str) and key.startswith(_OWN_PREFIX):
+            own = opt._own_state.get(q, {})
+            name = key[len(_OWN_PREFIX):]
+            if name in own:
+                return own[name]
+            if key in self._own():
+                return torch.zeros_like(q, memory_format=torch.preserve_format)
+            raise KeyError(key)
+        return opt.base_optimizer.state.get(q, {})[key]
+
+    def __setitem__(self, key, value) -> None:
+        opt, q = self._opt, self._q
+        if key == _COUNTERS:
+            opt._set_counters(value)
+        elif isinstance(key, str) and key.startswith(_OWN_PREFIX):
+            _, own, _ = _split_entry({key: value})
+            opt._own_state[q].update(own)
+        else:
+            opt.base_optimizer.state[q][key] = value
+        opt._lists = None
+
+    def __delitem__(self, key) -> None:
+        opt, q = self._opt, self._q
+        if isinstance(key, str) and key.startswith(_OWN_PREFIX) and key != _COUNTERS:
+            del opt._own_state[q][key[len(_OWN_PREFIX):]]
+        elif key == _COUNTERS:
+            raise KeyError(f"{key!r} is the optimizer's, it cannot be deleted")
+        else:
+            del opt.base_optimizer.state[q][key]
+        opt._lists = None
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 class _StepLists:

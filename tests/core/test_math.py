@@ -82,11 +82,11 @@ def test_vasso_matches_the_papers_equations(theta):
     for t, (x, y) in enumerate(batches):
         first_backward(model, x, y)
         g = [q.grad.clone() for q in model.parameters()]
-        previous = [opt.state[q]["slope"].clone() for q in model.parameters()] if t else g
+        previous = [opt.state[q]["sam_slope"].clone() for q in model.parameters()] if t else g
         before = flat(model.parameters())
         assert opt.perturb()
         d = flat([(1 - theta) * a + theta * b for a, b in zip(previous, g)])
-        torch.testing.assert_close(flat(opt.state[q]["slope"] for q in model.parameters()), d, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(flat(opt.state[q]["sam_slope"] for q in model.parameters()), d, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(flat(model.parameters()) - before, rho * d / d.norm(), rtol=1e-5, atol=1e-7)
         assert opt.diagnostics["sharpness"] == pytest.approx(rho * d.norm().item(), rel=1e-5)
         first_backward(model, x, y)

@@ -110,7 +110,7 @@ class Run:
 
     def slopes(self):
         """The slope buffers (VASSO's d_t; SAM's last g), empty where none was kept."""
-        kept = [self.opt.state[q]["slope"] for q in self.model.parameters() if "slope" in self.opt.state[q]]
+        kept = [self.opt.state[q]["sam_slope"] for q in self.model.parameters() if "sam_slope" in self.opt.state[q]]
         return flat(kept).cpu() if kept else torch.zeros(0)
 
 
@@ -350,7 +350,7 @@ def test_bf16_parameters_train_and_are_restored_exactly(device, kind):
         assert torch.equal(flat(model.parameters()), before)  # bit for bit, from the anchor copy
         assert opt.descend()
         losses.append(float(loss.detach()))
-    assert opt.state[model[0].weight]["slope"].dtype == torch.bfloat16
+    assert opt.state[model[0].weight]["sam_slope"].dtype == torch.bfloat16
     assert losses[-1] < 0.7 * losses[0]
 
 

@@ -175,7 +175,7 @@ def test_state_dict_from_before_rho_lived_in_the_groups_loads():
     opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
     opt.step(closure_for(opt, model, *make_batches(1)[0]))
     old = opt.state_dict()
-    for g in old["base_optimizer"]["param_groups"]:
+    for g in old["param_groups"]:
         del g["rho"]
     opt2 = VASSO(model.parameters(), torch.optim.SGD, rho=0.3, lr=0.1)
     opt2.load_state_dict(old)

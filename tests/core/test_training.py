@@ -81,8 +81,10 @@ def test_state_dict_resume_is_bit_exact():
     for x, y in batches[:8]:
         opt.step(closure_for(opt, model, x, y))
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()})
-    assert "exp_avg" in saved["opt"]["base_optimizer"]["state"][0]
-    assert set(saved["opt"]["state"][0]) == {"slope", "previous_ascent"}  # eVASSO: d_t + diagnostic
+    # torch's shape: AdamW's moments and ours (eVASSO: d_t + the diagnostic's buffer) in one entry
+    assert set(saved["opt"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent",
+                                             "sam_counters"}
+    assert saved["opt"]["state"][0]["sam_counters"]["step"] == 8
     model, opt = fresh()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
@@ -128,10 +130,10 @@ def test_evasso_coin_is_binomial_updates_d_every_step_and_resumes():
     batches = make_batches(n, batch=4)
     draws, d_changes = [], []
     for i, (x, y) in enumerate(batches):
-        d_before = None if i == 0 else flat(opt.state[q]["slope"] for q in model.parameters())
+        d_before = None if i == 0 else flat(opt.state[q]["sam_slope"] for q in model.parameters())
         opt.step(closure_for(opt, model, x, y))
         draws.append(opt.diagnostics["two_pass"] == 1.0)
-        d_after = flat(opt.state[q]["slope"] for q in model.parameters())
+        d_after = flat(opt.state[q]["sam_slope"] for q in model.parameters())
         if d_before is not None:
             d_changes.append(not torch.equal(d_before, d_after))
         if i == 199:
@@ -171,8 +173,8 @@ def test_plain_sam_and_vasso_hold_exactly_one_parameter_sized_buffer():
         param_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
         opt = cls(model.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-3)
         assert state_bytes_after_steps(opt, model) == param_bytes, cls.__name__
-        keys = {k for s in opt.state.values() for k in s}
-        assert keys == {"slope"}
+        keys = {k for s in opt.state.values() for k in s if k.startswith("sam_")}
+        assert keys == {"sam_slope", "sam_counters"}
         base_bytes = sum(v.numel() * v.element_size() for s in opt.base_optimizer.state.values()
                          for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
         assert base_bytes == 2 * param_bytes  # AdamW's own two moments are separate
@@ -239,7 +241,7 @@ def test_nonfinite_first_gradient_skips_the_step_and_keeps_d():
     opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
     batches = make_batches(3)
     opt.step(closure_for(opt, model, *batches[0]))
-    d = flat(opt.state[q]["slope"] for q in model.parameters())
+    d = flat(opt.state[q]["sam_slope"] for q in model.parameters())
     before = flat(model.parameters())
     first_backward(model, batches[1][0], batches[1][1])
     model[0].weight.grad[0, 0] = float("nan")
@@ -247,7 +249,7 @@ def test_nonfinite_first_gradient_skips_the_step_and_keeps_d():
         assert not opt.perturb()
     assert not opt.descend()
     assert torch.equal(flat(model.parameters()), before)
-    assert torch.equal(flat(opt.state[q]["slope"] for q in model.parameters()), d)
+    assert torch.equal(flat(opt.state[q]["sam_slope"] for q in model.parameters()), d)
     assert opt.diagnostics["nonfinite"] == 1.0 and opt.nonfinite_steps == 1
     # training goes on afterwards
     opt.step(closure_for(opt, model, *batches[2]))
@@ -356,7 +358,7 @@ def test_a_parameter_that_starts_receiving_gradients_late(kind):
             return loss
         opt.step(closure)
         assert torch.isfinite(flat(model.parameters())).all()
-    assert "slope" in opt.state[late] or kind in ("ASAM",) or opt.theta is None
+    assert "sam_slope" in opt.state[late] or kind in ("ASAM",) or opt.theta is None
 
 
 @pytest.mark.parametrize("cls", [SAM, VASSO])

@@ -172,6 +172,10 @@ QUICK_TRAIN = (".venv/bin/fairseq-train runs/quickstart/data-bin --user-dir fair
 QUICK_BLEU = (".venv/bin/vasso-bleu runs/quickstart/data-bin --checkpoint "
               "vasso=runs/quickstart/vasso/seed1/checkpoint_last.pt --generate-args '--max-len-a 1.2 --max-len-b 10' "
               "--no-paper")
+# docs/distributed.md: DDP, FSDP2 and ZeRO on 2 gloo ranks, each checkpointed and resumed
+DIST_EXAMPLE = ".venv/bin/torchrun --nproc_per_node 2 scripts/distributed_example.py --out runs/distributed"
+DIST_EXCERPT = ("an excerpt of scripts/distributed_example.py, which the example command runs (one run: the "
+                "same script)")
 
 COMMANDS = classified(
     # ---- README.md
@@ -268,6 +272,13 @@ COMMANDS = classified(
                  "runs/demo/runs/sam/seed1/train.log runs/demo/runs/vasso0.4/seed1/train.log"},
                 needs=(DEMO,))),
     (".venv/bin/python -m plugins.lab.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
+
+    # ---- docs/distributed.md
+    (DIST_EXAMPLE, run(expect=("fsdp2  2 ranks", "identical"), timeout=300)),
+    ('python: model = DDP(make_model())', check_only(DIST_EXCERPT, check=DIST_EXAMPLE)),  # the DDP and ZeRO ones
+    ('python: mesh = init_device_mesh("cpu", (dist.get_world_size(),))', check_only(DIST_EXCERPT, check=DIST_EXAMPLE)),
+    ('python: state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}',
+     check_only(DIST_EXCERPT, check=DIST_EXAMPLE)),
 
     # ---- docs/digits_results.md
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),

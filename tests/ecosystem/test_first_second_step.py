@@ -132,7 +132,7 @@ def test_a_nonfinite_gradient_skips_the_step():
     loss_of(model, x, y).backward()
     assert opt.second_step(zero_grad=True) is False
     assert torch.equal(flat(model.parameters()), before)
-    assert opt.nonfinite_steps == 1 and "slope" not in opt.state[model[0].weight]
+    assert opt.nonfinite_steps == 1 and "sam_slope" not in opt.state[model[0].weight]
 
 
 @pytest.mark.parametrize("kind", ["SAM", "ASAM", "VASSO"])

@@ -42,11 +42,11 @@ def test_resume_matches_uninterrupted_run(toy_data, tmp_path, fs):
     assert mid["optimizer_history"][-1]["num_updates"] == 6
     opt_state = mid["last_optimizer_state"]
     assert opt_state["sharpness"]["step"] == 6  # the coin's step counter
-    slopes = [v["slope"] for v in opt_state["state"].values()]
+    slopes = [v["sam_slope"] for v in opt_state["state"].values()]
     assert slopes and all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in slopes)  # d_t
-    moments = opt_state["base_optimizer"]["state"]
+    moments = opt_state["state"]  # AdamW's moments beside d_t, in torch's shape
     assert moments and all("exp_avg" in v and "exp_avg_sq" in v for v in moments.values())
-    assert all(int(v["step"]) == 6 for v in moments.values())
+    assert all(int(v["step"]) == 6 and v["sam_counters"]["step"] == 6 for v in moments.values())
 
     # the resumed run continues update for update: same coin draws, same losses
     assert [s["num_updates"] for s in resumed] == [str(i) for i in range(1, 13)]
@@ -58,7 +58,7 @@ def test_resume_matches_uninterrupted_run(toy_data, tmp_path, fs):
     ours = _max_diff(a["model"], b["model"])
     assert ours <= 4 * stock + 1e-6, (ours, stock)
     for i, v in a["last_optimizer_state"]["state"].items():
-        assert torch.allclose(v["slope"], b["last_optimizer_state"]["state"][i]["slope"],
+        assert torch.allclose(v["sam_slope"], b["last_optimizer_state"]["state"][i]["sam_slope"],
                               atol=4 * stock + 1e-6)
     assert b["last_optimizer_state"]["sharpness"]["step"] == 12
 

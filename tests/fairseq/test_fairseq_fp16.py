@@ -202,7 +202,7 @@ def _snapshot(trainer):
     base = getattr(core, "base_optimizer", core)
     params16 = [p.detach().clone() for p in trainer.model.parameters()]
     params32 = [p.detach().clone() for p in inner.params]  # the params the optimizer steps
-    slope = [core.state[p]["slope"].clone() for p in inner.params if "slope" in core.state[p]]
+    slope = [core.state[p]["sam_slope"].clone() for p in inner.params if "sam_slope" in core.state[p]]
     adam = [base.state[p]["exp_avg"].clone() for p in inner.params if "exp_avg" in base.state[p]]
     return {"p16": params16, "p32": params32, "slope": slope, "adam": adam,
             "steps": getattr(core, "num_steps", None),

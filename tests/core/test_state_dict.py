@@ -1,0 +1,197 @@
+"""The optimizer's state dict: torch's shape, the earlier format, torch's checkpoint helpers.
+
+``state_dict()`` is ``{"state": {index: {...}}, "param_groups": [...]}`` with this
+wrapper's buffers (``sam_slope``, ``sam_previous_ascent``) and ``sam_counters`` in each
+parameter's entry beside the base optimizer's moments, so that
+``torch.distributed.checkpoint.state_dict``'s helpers and ``ZeroRedundancyOptimizer``
+carry them (the distributed cases are in ``tests/distributed/test_state_*.py``).
+"""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
+from plugins import SAM, VASSO
+
+from core_helpers import build, closure_for, flat, make_batches, make_model
+
+# Made by the code of commit c0e16db (the format before this one: {"base_optimizer",
+# "state", "sharpness"}): for each case, the model and optimizer state dicts after 5
+# steps on make_batches(10) (model: make_model()), and the weights that
+# code reached after the 5 further steps.  Regenerate only to add a case, with that commit's
+# plugins/ on the path (git archive c0e16db plugins); this file's CASES builds the same optimizers.
+LEGACY = Path(__file__).parent / "data" / "state_dict_c0e16db.pt"
+
+CASES = {
+    "eVASSO-AdamW": lambda ps: VASSO(ps, torch.optim.AdamW, rho=0.1, theta=0.4, p=0.6, seed=7, lr=1e-2,
+                                     weight_decay=1e-2),
+    "GSAM-SGD": lambda ps: SAM(ps, torch.optim.SGD, rho=0.05, gsam_alpha=0.3, lr=0.1, momentum=0.9),
+    "adaptive-eVASSO-AdamW": lambda ps: VASSO(ps, torch.optim.AdamW, rho=0.5, theta=0.4, adaptive=True, p=0.5,
+                                              seed=3, lr=1e-2),
+}
+
+
+def train(opt, model, batches):
+    for x, y in batches:
+        opt.step(closure_for(opt, model, x, y))
+
+
+@pytest.fixture(scope="module")
+def legacy():
+    return torch.load(LEGACY, weights_only=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_state_dict_of_the_earlier_format_loads_and_continues_bit_for_bit(legacy, case):
+    saved = legacy[case]
+    assert set(saved["optimizer"]) == {"base_optimizer", "state", "sharpness"}  # the earlier format
+    model = make_model(seed=3)
+    model.load_state_dict(saved["model"])
+    opt = CASES[case](model.parameters())
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.num_steps == 5
+    train(opt, model, make_batches(10)[5:])
+    for got, want in zip(model.parameters(), saved["final"]):
+        assert torch.equal(got, want)
+    # and it is saved again in today's shape
+    again = opt.state_dict()
+    assert set(again) == {"state", "param_groups", "sharpness"}
+    assert all("sam_slope" in e and "sam_counters" in e for e in again["state"].values())
+
+
+def test_each_entry_holds_the_base_moments_beside_ours():
+    model = make_model()
+    opt = build("eVASSO", model.parameters(), seed=5)
+    train(opt, model, make_batches(4))
+    sd = opt.state_dict()
+    first = model[0].weight
+    entry = sd["state"][0]
+    assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent", "sam_counters"}
+    assert entry["exp_avg"] is opt.base_optimizer.state[first]["exp_avg"]
+    assert entry["sam_slope"] is opt._own_state[first]["slope"]
+    assert entry["sam_counters"]["step"] == 4 and entry["sam_counters"]["seed"] == 5
+    assert sd["param_groups"][0]["params"] == list(range(len(list(model.parameters()))))
+    # opt.state is the same merged view, in torch's per-parameter shape
+    assert set(opt.state[first]) == set(entry) and len(opt.state) == len(sd["state"])
+    with pytest.raises(KeyError, match="'sam_slope' there"):  # code meaning our buffer must not read "absent"
+        "slope" in opt.state[first]
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("kind", ["eVASSO", "eSAM", "V+G", "adaptive eVASSO"])
+def test_torch_checkpoint_helpers_resume_bit_for_bit(kind, flatten):
+    """get/set_optimizer_state_dict (what torch.distributed.checkpoint saves), one process:
+    the template of a fresh optimizer has every key, loading it continues bit for bit."""
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    batches = make_batches(10)
+    model = make_model()
+    opt = build(kind, model.parameters(), seed=3)
+    train(opt, model, batches[:5])
+    saved_opt = copy.deepcopy(get_optimizer_state_dict(model, opt, options=options))
+    saved_model = copy.deepcopy(model.state_dict())
+    train(opt, model, batches[5:])
+
+    resumed = make_model(seed=9)
+    resumed.load_state_dict(saved_model)
+    fresh = build(kind, resumed.parameters(), seed=0)
+    before = flat(resumed.parameters())
+    template = get_optimizer_state_dict(resumed, fresh, options=options)  # torch's zero-lr initialization
+    assert torch.equal(flat(resumed.parameters()), before)  # it moved nothing
+    assert sorted(template) == sorted(saved_opt) if flatten else sorted(template["state"]["0.weight"]) == sorted(
+        saved_opt["state"]["0.weight"])
+    set_optimizer_state_dict(resumed, fresh, saved_opt, options=options)
+    assert fresh.num_steps == 5 and fresh.seed == 3
+    train(fresh, resumed, batches[5:])
+    assert torch.equal(flat(resumed.parameters()), flat(model.parameters()))
+
+
+def test_a_checkpoint_taken_before_the_first_step_starts_vasso_at_d0_equal_g0():
+    """Before any step the entries hold zero placeholders (a template needs a tensor for each
+    buffer); loading them must not turn d_0 = g_0 into theta * g_0."""
+    batches = make_batches(3)
+    model = make_model()
+    opt = build("VASSO", model.parameters())
+    template = get_optimizer_state_dict(model, opt)
+    assert all(torch.count_nonzero(e["sam_slope"]) == 0 for e in template["state"].values())
+    set_optimizer_state_dict(model, opt, copy.deepcopy(template))
+    train(opt, model, batches)
+
+    reference = make_model()
+    ref_opt = build("VASSO", reference.parameters())
+    # the reference takes torch's initialization too (an AdamW step with lr 0: step count 1)
+    get_optimizer_state_dict(reference, ref_opt)
+    train(ref_opt, reference, batches)
+    assert torch.equal(flat(model.parameters()), flat(reference.parameters()))
+    for q, r in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(opt.state[q]["sam_slope"], ref_opt.state[r]["sam_slope"])
+
+
+def test_entries_assigned_one_by_one_resume_bit_for_bit():
+    """ZeroRedundancyOptimizer.load_state_dict writes ``opt.state[p] = entry`` for each of its
+    parameters and copies the param groups' values: the view must take that too."""
+    batches = make_batches(8)
+    model = make_model()
+    opt = build("adaptive eVASSO", model.parameters(), seed=2)
+    train(opt, model, batches[:4])
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    train(opt, model, batches[4:])
+
+    resumed = make_model(seed=4)
+    resumed.load_state_dict(saved_model)
+    fresh = build("adaptive eVASSO", resumed.parameters(), seed=0)
+    train(fresh, resumed, batches[:1])  # state of its own, which the assignment must replace
+    resumed.load_state_dict(saved_model)
+    for i, q in enumerate(resumed.parameters()):
+        fresh.state[q] = copy.deepcopy(saved_opt["state"][i])
+    for group, saved_group in zip(fresh.param_groups, saved_opt["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    assert fresh.num_steps == 4 and fresh.seed == 2
+    train(fresh, resumed, batches[4:])
+    assert torch.equal(flat(resumed.parameters()), flat(model.parameters()))
+
+
+def test_step_without_closure_still_refuses_outside_torchs_initialization():
+    model = make_model()
+    opt = build("SAM", model.parameters())
+    for q in model.parameters():
+        q.grad = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match="needs a closure"):  # lr is not 0: a user's mistake
+        opt.step()
+    opt.param_groups[0]["lr"] = 0.0
+    model[0].weight.grad[0, 0] = 1.0  # a real gradient: not torch's initialization either
+    with pytest.raises(RuntimeError, match="needs a closure"):
+        opt.step()
+    assert not opt.state and opt.num_steps == 0
+
+
+def test_malformed_state_dicts_are_refused():
+    model = make_model()
+    opt = build("VASSO", model.parameters())
+    train(opt, model, make_batches(2))
+    sd = opt.state_dict()
+    with pytest.raises(ValueError, match="not an optimizer state dict"):
+        opt.load_state_dict({"state": sd["state"]})
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["sam_velocity"] = bad["state"][0]["sam_slope"]
+    with pytest.raises(ValueError, match="unknown sharpness-aware state 'sam_velocity'"):
+        opt.load_state_dict(bad)
+    bad = copy.deepcopy(sd)
+    bad["state"][1]["sam_counters"]["step"] = 7
+    with pytest.raises(ValueError, match="disagree on 'sam_counters'"):
+        opt.load_state_dict(bad)
+    # entries loaded one by one (as torch.distributed.checkpoint does) hold NaNs that are not one object
+    before_any_ascent = build("eSAM", model.parameters(), p=0.0).state_dict()
+    for entry in before_any_ascent["state"].values():
+        entry["sam_counters"] = {k: float(repr(v)) if isinstance(v, float) else v
+                                 for k, v in entry["sam_counters"].items()}
+    assert math.isnan(before_any_ascent["state"][0]["sam_counters"]["last_rho"])
+    build("eSAM", model.parameters(), p=0.0).load_state_dict(before_any_ascent)
+    plain = torch.optim.AdamW(model.parameters()).state_dict()  # not ours
+    with pytest.raises(ValueError, match="not a sharpness-aware optimizer state dict"):
+        opt.load_state_dict(plain)
+    assert opt.num_steps == 2 and math.isfinite(opt.state[model[0].weight]["sam_counters"]["last_rho"])
