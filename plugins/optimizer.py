@@ -632,9 +632,19 @@ class SharpnessAware(torch.optim.Optimizer):
                 and pending["first_loss"] is not None):
             self._set_loss_gap(_loss_gap(pending["first_loss"], second))
 
-    @torch.no_grad()
     def _descend(self, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
-        """:meth:`descend`; with a scaler, ``grad_scale`` is the scale ``.grad`` still
+        """:meth:`descend`, then the wait for the loss gap's ``all_reduce`` (issued before
+        this step's last reduction, so on gloo it is done by now and on NCCL the wait is
+        the stream's): no collective outlives its step, nor the process group at exit."""
+        try:
+            return self._descend_step(grad_scale, found_inf)
+        finally:
+            self.diagnostics.wait()
+
+    @torch.no_grad()
+    def _descend_step(self, grad_scale: Optional[torch.Tensor] = None,
+                      found_inf: Optional[torch.Tensor] = None) -> bool:
+        """:meth:`descend`'s work; with a scaler, ``grad_scale`` is the scale ``.grad`` still
         carries (None once ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's
         verdict on it (``GradScaler.step`` hands both over)."""
         pending = self._pending
@@ -1368,7 +1378,8 @@ class Diagnostics(MutableMapping):
         before any value is read, so issuing it costs the step no wait of its own."""
         self._works.append(work)
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Wait for the collectives still writing the values (no read of the values)."""
         works, self._works = self._works, []
         for work in works:
             work.wait()
@@ -1399,11 +1410,11 @@ class Diagnostics(MutableMapping):
         """The values as they are, without a host sync: floats, and 0-dim device tensors
         nobody has read yet (for a host that logs them and reads them at its own log
         point, as fairseq's meters do).  Collectives still writing them are waited for."""
-        self._wait()
+        self.wait()
         return dict(self._values)
 
     def _read_all(self) -> None:
-        self._wait()
+        self.wait()
         lazy = [k for k, v in self._values.items() if torch.is_tensor(v)]
         for device in {self._values[k].device for k in lazy}:
             keys = [k for k in lazy if self._values[k].device == device]
@@ -1453,8 +1464,8 @@ class VASSO(SharpnessAware):
     >>> def closure():
     ...     opt.zero_grad(); loss = model(torch.ones(2, 3)).pow(2).mean(); loss.backward(); return loss
     >>> _ = opt.step(closure)
-    >>> sorted(opt.state[model.weight])
-    ['slope']
+    >>> sorted(opt.state[model.weight])     # AdamW's moments beside d_t and the wrapper's counters
+    ['exp_avg', 'exp_avg_sq', 'sam_counters', 'sam_slope', 'step']
     """
 
     def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4, **kwargs):
