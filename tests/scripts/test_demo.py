@@ -113,12 +113,13 @@ def _table(out):
 
 
 def _training(log):
-    """True once ``log`` is a new fairseq-train log (the partial one replaced) with fairseq's lines."""
+    """True once ``log`` is a new fairseq-train log (the partial one replaced): run_logged wrote
+    its command line and started it."""
     try:
         text = log.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return False
-    return "epoch 001: num_updates=10" not in text and "| INFO |" in text
+    return "epoch 001: num_updates=10" not in text and text.startswith("+ ")
 
 
 def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_run, demo_args, tmp_path, capsys):
@@ -137,9 +138,10 @@ def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_ru
     proc = process_group.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         deadline = time.time() + 600
-        while not _training(last / "train.log"):  # the run's fairseq-train has started and logs
+        while not _training(last / "train.log"):  # the run's fairseq-train has started
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)
+        time.sleep(1)  # and is importing fairseq
         stopped = time.time()
         os.kill(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=30)
