@@ -246,21 +246,40 @@ def check_config(cfg) -> None:
 # ------------------------------------------------------------------ the command line
 
 
-def _requested_optimizer(args):
-    name = None
-    for i, a in enumerate(args):
-        if a == "--optimizer" and i + 1 < len(args):
-            name = args[i + 1]
-        elif a.startswith("--optimizer="):
-            name = a.split("=", 1)[1]
-    return name
+class _PeekError(Exception):
+    pass
+
+
+class _Peek(argparse.ArgumentParser):
+    """Reads ``--optimizer`` and ``-h/--help`` the way fairseq's own parser will (argparse:
+    ``--optimizer=X``, the last one wins, nothing after ``--``, no abbreviations), and never
+    prints or exits: fairseq's parse reports whatever argparse cannot read."""
+
+    def error(self, message):
+        raise _PeekError(message)
+
+
+def _requested_optimizer(argv):
+    """``(--optimizer, help asked)`` in ``argv``; ``(None, False)`` when argparse cannot read it
+    (fairseq's own parse then fails exactly as without the plugin).  fairseq's helpers pass
+    ``None`` items (an unset ``--save-dir``), which argparse reads as positionals."""
+    peek = _Peek(add_help=False, allow_abbrev=False)
+    peek.add_argument("--optimizer")
+    peek.add_argument("-h", "--help", action="store_true")
+    try:
+        known, _ = peek.parse_known_args(argv)
+    except Exception:  # _PeekError, or argparse's TypeError on a non-string item
+        return None, False
+    return known.optimizer, known.help
 
 
 @functools.wraps(_stock_parse_args_and_arch)
 def _patched_parse_args_and_arch(parser, input_args=None, *args, **kwargs):
-    argv = list(sys.argv[1:] if input_args is None else input_args)
-    requested = _requested_optimizer(argv)
-    if requested in CONFIGS and {"-h", "--help"} & set(argv):
+    argv = sys.argv[1:] if input_args is None else list(input_args)
+    if input_args is not None and iter(input_args) is input_args:
+        input_args = iter(argv)  # an iterator, spent by list(): fairseq gets an equal one
+    requested, wants_help = _requested_optimizer(argv)
+    if requested in CONFIGS and wants_help:
         # fairseq prints --help before any optimizer added its flags: add ours first
         from fairseq.dataclass.utils import gen_parser_from_dataclass
 
