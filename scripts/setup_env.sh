@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment, idempotently.
-#   bash scripts/setup_env.sh                    -> .venv with torch, torchvision, fairseq, this package
+#   bash scripts/setup_env.sh                    -> .venv with torch, torchvision, fairseq, fairscale, this package
 #   bash scripts/setup_env.sh --with-domainbed   -> the same, plus DomainBed at the tested commit,
 #                                                   importable in .venv (scripts/install_domainbed.sh)
 #   bash scripts/setup_env.sh --with-domainbed=/path/to/DomainBed[@COMMIT]   (a checkout or tarball)
@@ -53,8 +53,8 @@ else
         stage "building fairseq-fixed 0.12.3.1 against this torch (about 3 minutes on 2 idle cores)"
         pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
     fi
-    stage "installing this package with its fairseq, domainbed, test and slurm extras"
-    pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm]"
+    stage "installing this package with its fairseq, domainbed, test, slurm and sharding extras"
+    pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm,sharding]"
     echo "$stamp" > "$stamp_file"
 fi
 if [ "$WITH_DOMAINBED" = 1 ]; then
