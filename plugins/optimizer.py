@@ -50,6 +50,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from . import distributed as D
 from . import perturbation as P
 from .named_params import normalize_param_group, normalize_param_groups
 from .validation import Closure, Params, Range, check
@@ -102,6 +103,18 @@ class SharpnessAware(torch.optim.Optimizer):
         exact_restore: keep a copy of ``x_t`` during each two-pass step and restore
             from it, bit for bit, instead of subtracting ``eps`` again (one more
             parameter-sized buffer; automatic for adaptive geometry and fp16/bf16).
+        partition_group: the ``torch.distributed`` process group over which the
+            parameters are split among the ranks' optimizers, each holding only its own
+            part: ``ZeroRedundancyOptimizer`` and fairscale's ``OSS`` with this class as
+            their optimizer class, or a hand-split model.  The step's sums of squares and
+            inner products are then summed over the group, and before the second
+            forward every owner sends its parameters at ``x + eps`` to the other ranks,
+            so the second pass must be given the model (``step(closure, model=model)``,
+            ``second_pass(model, rng)``).  None (the default) for one process, for DDP
+            replicas and for DTensor parameters (FSDP2's ``fully_shard``), which carry
+            their device mesh; given with DTensors it is refused.  Named this way because
+            ``ZeroRedundancyOptimizer`` and ``OSS`` keep ``process_group`` / ``group``
+            for themselves: pass them the same group.
 
     Two ways to use it.  With a closure (torch's convention)::
 
@@ -138,12 +151,33 @@ class SharpnessAware(torch.optim.Optimizer):
     :meth:`descend`; ``g_t`` and ``h_t`` are unscaled exactly once, an overflow in
     either pass skips the step (``docs/mixed_precision.md``).  ``opt.diagnostics``
     turns its device values into floats when first read (:class:`Diagnostics`).
+
+    Distributed, the step is the one-process step on the whole batch, on every rank
+    (``docs/design.md``, section 7): under DDP nothing changes; under FSDP2 the
+    parameters are DTensors and each rank computes on its shard, with one
+    ``all_reduce`` of a few floats per decision; under ZeRO / OSS pass
+    ``partition_group``.  There the wrapper's ``step()`` calls this one, so the closure
+    API is ``zero.step(closure, model=model)`` and the explicit API reaches this
+    optimizer as ``zero.optim`` (OSS: ``oss.optim``)::
+
+        rng = plugins.rng_state()
+        loss(model, batch).backward()
+        if zero.optim.perturb():              # this rank's parameters to x_t + eps_t
+            zero.zero_grad()
+            with zero.optim.second_pass(model, rng):   # the others' arrive first
+                loss(model, batch).backward()
+        zero.step()                           # descend(), then the wrapper's own sync
+
+    Every rank must call these alike (they hold collectives); the first step also
+    checks, with one collective, that plain tensors on several ranks are replicas
+    without ``partition_group`` and not with it.
     """
 
     def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
                  adaptive: bool = False, eta: float = 0.01, gsam_alpha: float = 0.0, p: float = 1.0,
                  seed: int = 0, rho_min: Optional[float] = None, lr_max: Optional[float] = None,
-                 lr_min: float = 0.0, track_stability: bool = True, exact_restore: bool = False, **base_kwargs):
+                 lr_min: float = 0.0, track_stability: bool = True, exact_restore: bool = False,
+                 partition_group=None, **base_kwargs):
         # (name, tensor) pairs -> "param_names" here, as torch >= 2.5 does: older torch refuses them
         params = normalize_param_groups(params)
         rho = check("rho", rho)
@@ -159,6 +193,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self.lr_min = check("lr_min", lr_min)
         self.track_stability = check("track_stability", track_stability)
         self.exact_restore = check("exact_restore", exact_restore)
+        self.partition_group = check("partition_group", partition_group)
 
         super().__init__(params, defaults={"rho": rho})
         if isinstance(base_optimizer, torch.optim.Optimizer):
@@ -196,6 +231,11 @@ class SharpnessAware(torch.optim.Optimizer):
         self._scratch: Dict[torch.Tensor, Dict[str, torch.Tensor]] = defaultdict(dict)
         self._pending: Optional[Dict[str, Any]] = None  # the step between perturb() and descend()
         self._lists: Optional[_StepLists] = None
+        self._exchange: Dict[str, Any] = {}  # partition_group: the AscentExchange of the model
+        if self.partition_group is not None and any(D.is_dtensor(q) for q in self._all_params()):
+            raise ValueError("partition_group must be None for DTensor parameters (FSDP2, fully_shard): they "
+                             "carry their device mesh, over which the step reduces; partition_group names the "
+                             "ranks of plain tensors split by hand or by ZeroRedundancyOptimizer / OSS")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -265,13 +305,15 @@ class SharpnessAware(torch.optim.Optimizer):
                     if q.grad.is_sparse:
                         raise RuntimeError("sharpness-aware optimizers do not support sparse gradients")
                     names.append(group_names[i] if group_names is not None else None)
-        self._lists = lists = _StepLists(params, names, self.adaptive)
+        self._lists = lists = _StepLists(params, names, self.adaptive, D.Layout(params, self.partition_group))
         return lists
 
     def _buffers(self, lists: "_StepLists", key: str, like: List[torch.Tensor], *, scratch: bool = False,
                  zeros: bool = False) -> List[torch.Tensor]:
         """Per-parameter buffers named ``key`` (in ``state``, or the per-step scratch),
-        allocated on first use as copies of ``like`` (or zeros of its shape)."""
+        allocated on first use as copies of ``like`` (or zeros of its shape): the
+        parameters or their gradients, DTensors for DTensor parameters (so the state is
+        sharded as they are).  Returns this rank's local parts (:func:`plugins.distributed.local`)."""
         out = lists.buffers.get(key)
         if out is not None:
             return out
@@ -281,8 +323,13 @@ class SharpnessAware(torch.optim.Optimizer):
             buf = store[q].get(key)
             if buf is None:
                 src = src.detach()
-                buf = store[q][key] = torch.zeros_like(src) if zeros else src.clone(memory_format=torch.preserve_format)
-            out.append(buf)
+                if D.is_dtensor(q):  # a DTensor sharded as q, its local part from src
+                    buf = torch.empty_like(q.detach(), dtype=src.dtype)
+                    D.local(buf).zero_() if zeros else D.local(buf).copy_(src)
+                else:
+                    buf = torch.zeros_like(src) if zeros else src.clone(memory_format=torch.preserve_format)
+                store[q][key] = buf
+            out.append(D.local(buf))
         lists.buffers[key] = out
         return out
 
@@ -332,15 +379,19 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
         rho = self.current_rho()  # may refuse: before anything moves
         lists = self._step_lists()
-        params = lists.params
-        grads = [q.grad for q in params]
+        layout = lists.layout
+        if lists.unchecked:  # plain tensors on several ranks: replicas, or split over partition_group?
+            layout.check_split(lists.params)
+            lists.unchecked = False
+        params, grads = lists.local_params(), lists.local_grads()
         loss_scale = _loss_scale(scaler, grads)
         scaled = loss_scale is not None
         step = self._step
         self._step += 1
         self.diagnostics = diag = self._empty_diagnostics()
         diag["rho"] = rho
-        two_pass = len(params) > 0 and P.second_pass_coin(self.p, self.seed, step)
+        # (every rank decides alike where the step's sums cross ranks, whatever it holds)
+        two_pass = (len(params) > 0 or layout.collective) and P.second_pass_coin(self.p, self.seed, step)
         vasso = self.theta is not None
         if scaled and two_pass:  # the second backward overwrites .grad: unscale g_t where it is
             P.unscale(grads, loss_scale, in_place=True)
@@ -359,8 +410,18 @@ class SharpnessAware(torch.optim.Optimizer):
             terms.append((grads, slopes))
         fused_norm = vasso and two_pass and slopes is not None and lists.fuse_average_norm
         if fused_norm:
+            fused_index = len(terms)
             terms.append((slopes, grads, self.theta))
-        values = P.reductions(terms, lists.plan).tolist() if params else [0.0]
+        # Where the sums cross ranks, adaptive geometry's ||T v_t|| rides along too (the
+        # ascent needs it before the second pass: a collective of its own otherwise).
+        tv_index = None
+        if self.adaptive and two_pass and layout.collective and (
+                slopes is not None or not any("slope" in self.state[q] for q in lists.params)):
+            ts = [P.adaptive_scale(x, self.eta) if m else torch.ones_like(x) for x, m in zip(params, lists.mask)]
+            tv_index = len(terms)
+            # v_t = d_t from d_{t-1} and g_t; SAM's (and VASSO's d_0) is g_t itself
+            terms.append((slopes, grads, self.theta, ts) if vasso and slopes is not None else (grads, grads, 1.0, ts))
+        values = P.reductions(terms, lists.plan, layout=layout).tolist() if params or layout.collective else [0.0]
         grad_norm = values[0]
         if not math.isfinite(grad_norm):
             self._pending = {"kind": "nonfinite", "scaled": scaled}
@@ -368,14 +429,14 @@ class SharpnessAware(torch.optim.Optimizer):
             return False
         inner_previous = None
         if want_inner:  # <g_t, v_last>, as VASSO's <d_t, d_{t-1}> further down
-            inner_previous = values[1] if slopes is not None else self._inner_with_kept_slopes(params, grads)
+            inner_previous = values[1] if slopes is not None else self._inner_with_kept_slopes(lists, grads)
 
         if scaled and not two_pass and vasso:  # d_t needs g_t unscaled; .grad stays as the scaler left it
             slopes, slope_norm = self._update_slope(lists, P.unscale(grads, loss_scale, in_place=False),
                                                     grad_norm, two_pass, None)
         else:
             slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
-                                                    values[-1] if fused_norm else None)
+                                                    values[fused_index] if fused_norm else None)
         if vasso and inner_previous is not None:
             inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
         if not two_pass:
@@ -394,17 +455,23 @@ class SharpnessAware(torch.optim.Optimizer):
             anchors = self._buffers(lists, "anchor", params, scratch=True)
             torch._foreach_copy_(anchors, params)
 
-        eps, scale, ascent_norm, sharpness = self._ascend(lists, slopes, slope_norm, rho)
+        # Where the sums cross ranks, the diagnostics' own sums (adaptive ||eps_t||, the
+        # buffered stability's inner product) are summed with descend()'s reduction.
+        deferred: Optional[list] = [] if layout.collective else None
+        eps, scale, ascent_norm, sharpness = self._ascend(
+            lists, slopes, slope_norm, rho, values[tv_index] if tv_index is not None else None, deferred)
         _moved_parameters()
         diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
         if self.track_stability:
             diag["stability"] = self._stability(lists, grads, slopes, eps, scale, ascent_norm, inner_previous,
-                                                scalar_stability)
+                                                scalar_stability, deferred)
         self._previous = {"rho": rho, "slope_norm": slope_norm, "ascent_norm": ascent_norm}
 
-        self._pending = {"kind": "perturbed", "lists": lists, "slopes": slopes, "scale": scale,
+        self._pending = {"kind": "perturbed", "lists": lists, "params": params, "slopes": slopes, "scale": scale,
                          "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True,
-                         "scaled": scaled}
+                         "scaled": scaled, "exchange": None,
+                         "deferred": (torch.cat([part for part, _ in deferred]), [f for _, f in deferred], diag,
+                                      self._previous) if deferred else None}
         return True
 
     def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
@@ -433,22 +500,33 @@ class SharpnessAware(torch.optim.Optimizer):
             return slopes, fused_norm
         if kept == [] and not lists.low_precision:  # every d_0 = g_0, copied exactly: ||d_0|| = ||g_0||
             return slopes, grad_norm
-        return slopes, float(P.global_norm(slopes, lists.plan))
+        return slopes, float(P.global_norm(slopes, lists.plan, lists.layout))
 
-    def _ascend(self, lists: "_StepLists", slopes: List[torch.Tensor], slope_norm: float, rho: float):
+    def _ascend(self, lists: "_StepLists", slopes: List[torch.Tensor], slope_norm: float, rho: float,
+                tv_norm: Optional[float] = None, deferred: Optional[list] = None):
         """Move to ``x_t + eps_t``; returns ``(eps or None, s or None, ||eps_t||, sharpness)``:
-        plain geometry adds ``s v_t`` without materializing ``eps``."""
-        params = lists.params
+        plain geometry adds ``s v_t`` without materializing ``eps``.  ``tv_norm``: adaptive
+        geometry's ``||T v_t||`` when reduced already; ``deferred``: where the partial sum
+        of ``||eps_t||`` goes when it is to be reduced with descend()'s (NaN until then)."""
+        params = lists.local_params()
         if not self.adaptive:
             scale = P.plain_ascent_scale(rho, slope_norm)
             torch._foreach_add_(params, slopes, alpha=scale)
             return None, scale, P.plain_ascent_norm(rho, slope_norm), P.estimated_sharpness(rho, slope_norm)
-        eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta)
+        eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta,
+                                              plan=lists.plan, layout=lists.layout, norm=tv_norm)
         torch._foreach_add_(params, eps)
+        sharpness = P.estimated_sharpness(rho, scaled_norm if tv_norm is None else tv_norm)
+        if deferred is not None:
+            def finish(values, diag, previous):
+                previous["ascent_norm"] = diag["ascent_norm"] = math.sqrt(max(values[0], 0.0))
+            deferred.append((P.local_sums([(eps, None)], lists.plan, lists.layout), finish))
+            return eps, None, _NAN, sharpness
         # device tensors: the diagnostics read them lazily (no host sync here)
-        return eps, None, P.global_norm(eps, lists.plan), P.estimated_sharpness(rho, scaled_norm)
+        return eps, None, P.global_norm(eps, lists.plan, lists.layout), sharpness
 
-    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool):
+    def _stability(self, lists, grads, slopes, eps, scale, ascent_norm, inner_previous, scalar: bool,
+                   deferred: Optional[list] = None):
         """``||eps_t - eps_{t-1}||`` (NaN on the first ascent): from scalars where the slope
         buffer still told ``<v_t, v_{t-1}>``, else from the kept ``previous_ascent``; a
         0-dim device tensor (read lazily by the diagnostics) where an inner product of
@@ -461,11 +539,19 @@ class SharpnessAware(torch.optim.Optimizer):
                                      inner_previous, ascent_norm, previous["ascent_norm"])
         kept = self._buffers(lists, "previous_ascent", grads, zeros=True)
         stability = _NAN
-        if previous is not None:
+        if previous is not None and deferred is not None:  # the inner product reduced in descend()
+            term = (eps, kept) if eps is not None else (slopes, kept)
+            factor = 1.0 if eps is not None else scale
+            previous_norm = previous["ascent_norm"]
+
+            def finish(values, diag, now):
+                diag["stability"] = P.distance_between_ascents(now["ascent_norm"], previous_norm, factor * values[0])
+            deferred.append((P.local_sums([term], lists.plan, lists.layout), finish))
+        elif previous is not None:
             if eps is not None:
-                inner = P.reductions([(eps, kept)], lists.plan)[0]
+                inner = P.reductions([(eps, kept)], lists.plan, layout=lists.layout)[0]
             else:
-                inner = scale * P.reductions([(slopes, kept)], lists.plan)[0]
+                inner = scale * P.reductions([(slopes, kept)], lists.plan, layout=lists.layout)[0]
             stability = P.distance_between_ascents(ascent_norm, previous["ascent_norm"], inner)
         if eps is not None:
             torch._foreach_copy_(kept, eps)
@@ -474,11 +560,14 @@ class SharpnessAware(torch.optim.Optimizer):
             torch._foreach_mul_(kept, scale)
         return stability
 
-    def _inner_with_kept_slopes(self, params, grads) -> torch.Tensor:
+    def _inner_with_kept_slopes(self, lists, grads) -> torch.Tensor:
         """``<g_t, v_last>`` over the parameters that have a slope buffer (the set of
         parameters with a gradient changed since the last step), as a device tensor."""
-        pairs = [(g, self.state[q]["slope"]) for q, g in zip(params, grads) if "slope" in self.state[q]]
-        return P.dot([g for g, _ in pairs], [v for _, v in pairs])
+        layout = lists.layout
+        counted = range(len(grads)) if layout.counted is None else layout.counted
+        pairs = [(grads[i], D.local(self.state[lists.params[i]]["slope"])) for i in counted
+                 if "slope" in self.state[lists.params[i]]]
+        return P.dot([g for g, _ in pairs], [v for _, v in pairs], layout.unfiltered())
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -486,11 +575,13 @@ class SharpnessAware(torch.optim.Optimizer):
         pending = self._pending
         if pending is None or pending["kind"] != "perturbed" or not pending["at_ascent"]:
             return
-        params = pending["lists"].params
+        params = pending["params"]
         if pending["anchors"] is not None:
             torch._foreach_copy_(params, pending["anchors"])
         else:
             torch._foreach_add_(params, pending["slopes"], alpha=-pending["scale"])
+        if pending["exchange"] is not None:  # partition_group: the other owners' parameters too
+            pending["exchange"].restore()
         pending["at_ascent"] = False
         _moved_parameters()
 
@@ -526,27 +617,48 @@ class SharpnessAware(torch.optim.Optimizer):
         self.in_second_pass = False
         if pending["kind"] == "nonfinite":
             return False
-        params = pending["lists"].params
+        lists = pending["lists"]
+        layout = lists.layout
         if pending["kind"] == "first_gradient":  # g_t, found finite by perturb(): nothing to decide again
             if grad_scale is not None:
-                P.unscale([q.grad for q in params], grad_scale, in_place=True)
+                P.unscale(lists.local_grads(), grad_scale, in_place=True)
             self._base_step()
             return True
         firsts = pending["first_grads"]
-        second = [q.grad for q in params]
-        plan = pending["lists"].plan
+        second = lists.local_grads(missing_ok=True)
+        plan = lists.plan
         if any(h is None for h in second):  # a parameter got no gradient in the second pass
-            keep = [i for i, h in enumerate(second) if h is not None]
-            second = [second[i] for i in keep]
-            firsts = None if firsts is None else [firsts[i] for i in keep]
-            plan = None
+            if layout.counted is not None:  # keep the indices: zeros count for nothing
+                second = [torch.zeros_like(q) if h is None else h for q, h in zip(pending["params"], second)]
+            else:
+                keep = [i for i, h in enumerate(second) if h is not None]
+                second = [second[i] for i in keep]
+                firsts = None if firsts is None else [firsts[i] for i in keep]
+                plan = None
         if grad_scale is not None and second:
             P.unscale(second, grad_scale, in_place=True)
-        gsam = self.gsam_alpha > 0.0 and pending["rho"] > 0.0 and len(second) > 0  # rho = 0: h == g
+        # rho = 0: h == g
+        gsam = self.gsam_alpha > 0.0 and pending["rho"] > 0.0 and (len(second) > 0 or layout.collective)
         # One host sync: is h_t finite (the scaler's verdict when it has one, else ||h_t||),
-        # with GSAM's ||h_t|| and <g_t, h_t> from the same read.
+        # with GSAM's ||h_t|| and <g_t, h_t> from the same read; where the sums cross
+        # ranks, the one all_reduce carries the scaler's verdict too (the same on every rank).
         terms = [(second, None)] + ([(firsts, second)] if gsam else [])
-        if found_inf is not None:
+        if layout.collective:  # the diagnostics' partial sums and the scaler's verdict ride along
+            deferred = pending.get("deferred")
+            extra = ([deferred[0]] if deferred else []) + ([found_inf] if found_inf is not None else [])
+            values = P.reductions(terms, plan, layout=layout, extra=extra).tolist()
+            if found_inf is not None:
+                finite, values = values[-1] == 0.0, values[:-1]
+            else:
+                finite = math.isfinite(values[0])
+            if deferred:
+                sums, finishers, diag, previous = deferred
+                at = len(terms)
+                for finish in finishers:
+                    finish(values[at:], diag, previous)
+                    at += 1
+                values = values[:len(terms)]
+        elif found_inf is not None:
             reduced = P.reductions(terms, plan) if gsam else None
             verdict = found_inf.detach().reshape(1).double()
             if reduced is not None:
@@ -554,12 +666,15 @@ class SharpnessAware(torch.optim.Optimizer):
             values = verdict.tolist()
             finite, values = values[0] == 0.0, values[1:]
         else:
-            values = P.reductions(terms, plan).tolist() if second else [0.0]
+            values = P.reductions(terms, plan, layout=layout).tolist() if second or layout.collective else [0.0]
             finite = math.isfinite(values[0])
         if not finite:
             self._skip_nonfinite("second-pass", pending["scaled"])
             return False
         if gsam:
+            present = [i for i, h in enumerate(lists.local_grads(missing_ok=True)) if h is not None]
+            if len(present) < len(second):  # zeros stood in for the missing h: correct the others
+                second, firsts = [second[i] for i in present], [firsts[i] for i in present]
             P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=values[0], g_dot_h=values[1])
         self._base_step()
         return True
@@ -585,8 +700,20 @@ class SharpnessAware(torch.optim.Optimizer):
         keep their running statistics from the first pass only.  An exception puts
         the parameters back at ``x_t`` and drops the step (:meth:`abandon`).
         """
-        if self._pending is None or self._pending["kind"] != "perturbed":
+        pending = self._pending
+        if pending is None or pending["kind"] != "perturbed":
             raise RuntimeError("second_pass() without a perturbation: enter it only when perturb() returned True")
+        if self.partition_group is not None:
+            if model is None:
+                self.abandon()
+                raise ValueError(_PARTITION_MODEL)
+            try:  # the other ranks' parameters at x + eps, before the second forward
+                exchange = D.exchange_for(self._exchange, model, self._all_params(), self.partition_group)
+                pending["exchange"] = exchange
+                exchange.share()
+            except BaseException:
+                self.abandon()
+                raise
         if rng is not None:
             P.set_rng_state(rng)
         self.in_second_pass = True
@@ -673,6 +800,8 @@ class SharpnessAware(torch.optim.Optimizer):
         """
         if closure is None:
             return self._finish_step()
+        if self.partition_group is not None and model is None:
+            raise ValueError(_PARTITION_MODEL)
         rng = P.rng_state()
         self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t
         with torch.enable_grad():
@@ -687,12 +816,30 @@ class SharpnessAware(torch.optim.Optimizer):
             with self.second_pass(model, rng), torch.enable_grad():
                 second = closure()
             if loss is not None and second is not None:
-                self.diagnostics["loss_gap"] = _loss_gap(loss, second)
+                self._set_loss_gap(_loss_gap(loss, second))
         if self._pending["scaled"]:
             scaler.step(self)  # records the overflow in the scaler, then calls step() to finish
         else:
             self.descend()
         return loss
+
+    def _set_loss_gap(self, gap) -> None:
+        """The loss gap of the closure API; on several ranks the mean of the ranks' gaps
+        (each rank's loss is its batch slice's mean, as DDP's is, so the mean is the
+        one-process gap for equal slices), over ``partition_group`` or the default
+        group, by an ``all_reduce`` the diagnostics wait for when first read."""
+        dist = torch.distributed
+        group = self.partition_group
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            self.diagnostics["loss_gap"] = gap
+            return
+        lists = self._lists
+        device = lists.layout.device if lists is not None else torch.device("cpu")
+        gap = (gap.detach().clone() if torch.is_tensor(gap)
+               else torch.tensor(gap, dtype=torch.float64)).to(device, torch.float64).reshape(())
+        gap.div_(dist.get_world_size(group))
+        self.diagnostics["loss_gap"] = gap
+        self.diagnostics.wait_for(dist.all_reduce(gap, group=group, async_op=True))
 
     def _finish_step(self) -> bool:
         """``step()`` without a closure: the explicit API's descend, directly or through
@@ -782,22 +929,38 @@ class _StepLists:
     set of such parameters: the reduction plan, the adaptive mask, whether any is
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
-    __slots__ = ("params", "names", "plan", "mask", "low_precision", "fuse_average_norm", "buffers")
+    __slots__ = ("params", "names", "layout", "unchecked", "plan", "mask", "low_precision", "fuse_average_norm",
+                 "buffers")
 
-    def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool):
+    def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
         self.names = names
-        self.plan = P.chunk_plan(params)
+        self.layout = layout
+        self.unchecked = True
+        locals_ = self.local_params()
+        counted = locals_ if layout.counted is None else [locals_[i] for i in layout.counted]
+        self.plan = P.chunk_plan(counted)  # over this rank's local parts (uneven shards too)
         self.mask = P.weight_mask(params, None if any(n is None for n in names) else names) if adaptive else None
         self.low_precision = any(q.dtype not in _EXACT_DTYPES for q in params)
         # VASSO's ||d_t|| from the first reduction saves a host sync but costs a pass that
         # writes d_t's size: worth it on accelerators, and on the CPU (where a "sync"
         # costs nothing) only when every tensor is copied into a flat chunk anyway.
         # Not for fp16/bf16: their d_t is rounded to their precision after the update.
+        # Where the sums cross ranks, a separate norm would cost a collective too: always
+        # fuse there (decided from the global sizes, so every rank reduces the same terms).
         all_flat = all(q.numel() < P.FLAT_BELOW for q in params)
         on_cpu = all(q.device.type == "cpu" for q in params)
-        self.fuse_average_norm = not self.low_precision and (all_flat or not on_cpu)
+        self.fuse_average_norm = not self.low_precision and (all_flat or not on_cpu or layout.collective)
         self.buffers: Dict[str, List[torch.Tensor]] = {}
+
+    def local_params(self) -> List[torch.Tensor]:
+        """This rank's parts of the parameters (the parameters themselves unless DTensors)."""
+        return [D.local(q) for q in self.params] if self.layout.sharded else self.params
+
+    def local_grads(self, missing_ok: bool = False) -> List[Optional[torch.Tensor]]:
+        if not self.layout.sharded:
+            return [q.grad for q in self.params]
+        return [None if q.grad is None and missing_ok else D.local(q.grad) for q in self.params]
 
 
 def _loss_gap(first, second):
@@ -831,6 +994,10 @@ def _loss_scale(scaler, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device))
 
 
+_PARTITION_MODEL = ("partition_group: the second pass needs every parameter at x + eps on every rank, and each "
+                    "rank's optimizer holds only its own: pass the model, step(closure, model=model) or "
+                    "second_pass(model, rng), so that the owners can send theirs (docs/design.md, section 7)")
+
 _SCALED_STEP = ("this step's gradients are scaled (perturb(scaler=...)): finish it with scaler.step(opt), "
                 "then scaler.update()")
 
@@ -845,10 +1012,21 @@ class Diagnostics(MutableMapping):
     keeps that step's values.
     """
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "_works")
 
     def __init__(self, values: Optional[Dict[str, Any]] = None):
         self._values: Dict[str, Any] = dict(values or {})
+        self._works: List[Any] = []
+
+    def wait_for(self, work) -> None:
+        """A collective (``async_op=True``) writing into one of the values: waited for
+        before any value is read, so issuing it costs the step no wait of its own."""
+        self._works.append(work)
+
+    def _wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
 
     def __getitem__(self, key: str) -> float:
         value = self._values[key]
@@ -875,10 +1053,12 @@ class Diagnostics(MutableMapping):
     def unread(self) -> Dict[str, Any]:
         """The values as they are, without a host sync: floats, and 0-dim device tensors
         nobody has read yet (for a host that logs them and reads them at its own log
-        point, as fairseq's meters do)."""
+        point, as fairseq's meters do).  Collectives still writing them are waited for."""
+        self._wait()
         return dict(self._values)
 
     def _read_all(self) -> None:
+        self._wait()
         lazy = [k for k, v in self._values.items() if torch.is_tensor(v)]
         for device in {self._values[k].device for k in lazy}:
             keys = [k for k in lazy if self._values[k].device == device]

@@ -64,23 +64,61 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, *, layout=None,
+               extra: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Several sums over lists of tensors of the same shapes in one go, as one float64
     vector on the tensors' device:
 
     * ``(xs, None)``: ``||xs||``, one global L2 norm;
     * ``(xs, ys)``: ``<xs, ys>``;
     * ``(ds, gs, theta)``: ``||(1 - theta) ds + theta gs||``, the norm of VASSO's next
-      moving average, computed before (and without) updating ``ds``.
+      moving average, computed before (and without) updating ``ds``;
+    * ``(ds, gs, theta, ts)``: ``||ts * ((1 - theta) ds + theta gs)||``, the same scaled
+      pointwise (adaptive geometry's ``||T v||``);
+
+    then the values of the tensors of ``extra``, flattened, summed like the rest.
 
     The small tensors of each chunk of :func:`chunk_plan` are flattened once per list
     (one ``torch.cat``) and reduced with one kernel per term; large tensors are reduced
     where they are (norms with one ``torch._foreach_norm``).  fp16/bf16 are reduced in
-    float32 (no overflow of the sum of squares); inner products add up in float64.
+    float32 (no overflow of the sum of squares); the partial sums add up in float64.
+
+    ``layout`` (:class:`plugins.distributed.Layout`): the tensors are this rank's local
+    parts (DTensor shards, or a partition of the parameters); only the ones it
+    ``counted`` enter, and the partial sums (squares and inner products, not norms) are
+    summed over its groups with one ``all_reduce`` before the square roots are taken.
+    Every rank must then call this alike, whatever it holds (an empty shard included).
     Reading the result (``tolist()``) is the one host synchronization for all of them."""
+    partial = local_sums(terms, plan, layout)
+    extra = [e.detach().reshape(-1).to(partial.device, torch.float64) for e in extra]
+    if extra:
+        partial = torch.cat([partial] + extra)
+    if layout is not None and layout.collective:
+        layout.all_reduce(partial)
+    is_norm = [len(t) >= 3 or t[1] is None for t in terms]
+    if not any(is_norm):
+        return partial
+    mask = torch.tensor(is_norm + [False] * (partial.numel() - len(terms)), device=partial.device)
+    return torch.where(mask, partial.clamp(min=0.0).sqrt(), partial)
+
+
+def local_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
+    """The terms of :func:`reductions` as this rank's partial sums (squares for the
+    norms, no square root) over the tensors ``layout`` counts, with no collective: to
+    be reduced later, with another reduction's ``extra``."""
+    if layout is not None and layout.counted is not None:
+        keep = layout.counted
+        terms = [tuple([xs[i] for i in keep] if isinstance(xs, (list, tuple)) else xs for xs in term)
+                 for term in terms]
+    return _partial_sums(terms, plan, layout)
+
+
+def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layout) -> torch.Tensor:
+    """The local sums of squares (norm terms) and inner products, float64."""
     first = terms[0][0]
     if len(first) == 0:
-        return torch.zeros(len(terms), dtype=torch.float64)
+        device = layout.device if layout is not None else torch.device("cpu")
+        return torch.zeros(len(terms), dtype=torch.float64, device=device)
     plan = chunk_plan(first) if plan is None else plan
     alone = [c[0] for c in plan if len(c) == 1]
     chunks = [c for c in plan if len(c) > 1]
@@ -95,14 +133,19 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -
 
     results = []
     for term in terms:
-        if len(term) == 3 or term[1] is None:  # a norm: over the per-tensor / per-chunk norms
-            if len(term) == 3:
-                ds, gs, theta = term
+        if len(term) >= 3 or term[1] is None:  # a norm: the sum of the squared per-tensor / per-chunk norms
+            if len(term) >= 3:
+                ds, gs, theta = term[:3]
+                ts = term[3] if len(term) == 4 else None
 
-                def averaged(d, g):
-                    return torch.lerp(d, g.to(d.dtype), theta)
-                parts = [torch.linalg.vector_norm(averaged(_wide(ds[i]), _wide(gs[i]))) for i in alone]
-                parts += [torch.linalg.vector_norm(averaged(flat(ds, k), flat(gs, k))) for k in range(len(chunks))]
+                def averaged(d, g, t=None):
+                    v = torch.lerp(d, g.to(d.dtype), theta)
+                    return v if t is None else v * t.to(v.dtype)
+                parts = [torch.linalg.vector_norm(averaged(_wide(ds[i]), _wide(gs[i]),
+                                                           None if ts is None else _wide(ts[i]))) for i in alone]
+                parts += [torch.linalg.vector_norm(averaged(flat(ds, k), flat(gs, k),
+                                                            None if ts is None else flat(ts, k)))
+                          for k in range(len(chunks))]
             else:
                 xs = term[0]
                 big = [xs[i] for i in alone]
@@ -111,8 +154,7 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -
                 else:
                     parts = [torch.linalg.vector_norm(_wide(t)) for t in big]
                 parts += [torch.linalg.vector_norm(flat(xs, k)) for k in range(len(chunks))]
-            parts = [q.to(torch.float32) if q.dtype != torch.float32 else q for q in parts]
-            results.append(torch.linalg.vector_norm(torch.stack(parts)).double())
+            results.append(torch.stack([q.double() for q in parts]).square().sum())
         else:
             xs, ys = term
             parts = [torch.dot(_wide(xs[i]), _wide(ys[i]).to(_wide(xs[i]).dtype)) for i in alone]
@@ -122,15 +164,17 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None) -
     return torch.stack(results)
 
 
-def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None) -> torch.Tensor:
+def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
     """One L2 norm over every tensor of the list (a 0-dim float64 tensor)."""
-    return reductions([(list(tensors), None)], plan)[0]
+    return reductions([(list(tensors), None)], plan, layout=layout)[0]
 
 
-def dot(xs: Tensors, ys: Tensors) -> torch.Tensor:
+def dot(xs: Tensors, ys: Tensors, layout=None) -> torch.Tensor:
     """Inner product <xs, ys> over all tensors, as a 0-dim float64 tensor (no host sync)."""
     xs, ys = list(xs), list(ys)
-    return reductions([(xs, ys)])[0] if xs else torch.zeros((), dtype=torch.float64)
+    if not xs and (layout is None or not layout.collective):
+        return torch.zeros((), dtype=torch.float64)
+    return reductions([(xs, ys)], layout=layout)[0]
 
 
 # --------------------------------------------------------------------------- slope
@@ -161,6 +205,9 @@ def ascent_direction(
     *,
     adaptive_mask: Optional[Sequence[bool]] = None,
     eta: float = 0.01,
+    plan: Optional[List[List[int]]] = None,
+    layout=None,
+    norm: Optional[float] = None,
 ) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """The ascent ``eps`` of the sphere's linear maximizer, materialized.
 
@@ -179,9 +226,12 @@ def ascent_direction(
     else:
         scales = [adaptive_scale(x, eta) if m else None for x, m in zip(params, adaptive_mask)]
         scaled = [v * t if t is not None else v.detach().clone() for v, t in zip(slopes, scales)]
-    if not scaled:
+    if norm is not None:  # ||T v||, reduced already (with the step's first reduction)
+        norm = torch.tensor(norm, dtype=torch.float64, device=scaled[0].device if scaled else None)
+    elif not scaled and (layout is None or not layout.collective):
         return scaled, torch.zeros((), dtype=torch.float64)
-    norm = global_norm(scaled)
+    else:
+        norm = global_norm(scaled, plan, layout)  # ``plan``/``layout``: see :func:`reductions`
     factor = torch.where(norm > 0.0, rho / norm, torch.zeros_like(norm))  # 0 when v == 0
     for tv, t in zip(scaled, scales):
         if t is not None:

@@ -54,7 +54,8 @@ class Range:
 
 @dataclass(frozen=True)
 class Knob:
-    """A knob's kind (``"real"``, ``"bool"`` or ``"int"``) and, for reals, its range.
+    """A knob's kind (``"real"``, ``"bool"``, ``"int"`` or ``"group"``, a process group)
+    and, for reals, its range.
     ``optional`` knobs accept None (their documented "off" value)."""
 
     kind: str
@@ -78,6 +79,7 @@ KNOBS: Dict[str, Knob] = {
     "lr_min": Knob("real", _NON_NEGATIVE),
     "track_stability": Knob("bool"),
     "exact_restore": Knob("bool"),
+    "partition_group": Knob("group", optional=True),
     # the base optimizer's, checked by the hosts that build it
     "lr": Knob("real", _NON_NEGATIVE),
     "weight_decay": Knob("real", _NON_NEGATIVE),
@@ -92,6 +94,8 @@ def describe(knob: str, *, within: Optional[Range] = None, words: Tuple[str, str
         return f"{words[0]} or {words[1]}"
     if spec.kind == "int":
         return "an integer"
+    if spec.kind == "group":
+        return "a torch.distributed ProcessGroup this rank belongs to, or None"
     return f"in {within or spec.range}"
 
 
@@ -112,6 +116,8 @@ def check(knob: str, value: Any, *, name: Optional[str] = None, within: Optional
         if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
             return bool(value)
         raise ValueError(f"{name} must be {words[0]} or {words[1]}, got {value!r} ({type(value).__name__})")
+    if spec.kind == "group":
+        return _process_group(value, name)
     if spec.kind == "int":
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -130,3 +136,19 @@ def check(knob: str, value: Any, *, name: Optional[str] = None, within: Optional
         shown = number if isinstance(value, str) else value
         raise ValueError(f"{name} must be in {interval}, got {shown!r}")
     return number
+
+
+def _process_group(value: Any, name: str) -> Any:
+    """``value`` if it is a process group of an initialized ``torch.distributed`` that
+    this rank belongs to, else ValueError saying what to pass."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{name} names a torch.distributed process group, but torch.distributed is not "
+                         f"initialized (call torch.distributed.init_process_group first), got {value!r}")
+    if not isinstance(value, dist.ProcessGroup):
+        raise ValueError(f"{name} must be a torch.distributed ProcessGroup (dist.group.WORLD, dist.new_group(...), "
+                         f"the group given to ZeroRedundancyOptimizer / OSS) or None, got {value!r} "
+                         f"({type(value).__name__})")
+    if dist.get_rank(value) < 0:
+        raise ValueError(f"{name}: this rank ({dist.get_rank()}) is not a member of the process group given")
+    return value

@@ -1,0 +1,295 @@
+"""Where a step's tensors live across processes, and the few collectives of a step.
+
+A sharpness-aware step is pointwise except for a few global scalars (the ascent's norm,
+GSAM's inner product, the diagnostics): each rank computes the pointwise math on the part
+of every tensor it holds, and one ``all_reduce`` of the partial sums (sums of squares and
+inner products, never norms) makes those scalars global.  :class:`Layout` says over which
+ranks that sum runs, from what the parameters are:
+
+* plain tensors, no ``partition_group``: replicas (one process, or DDP): no collective;
+* DTensors (FSDP2's ``fully_shard``, any device mesh): the sum runs over the mesh
+  dimensions on which some parameter is ``Shard``-ed; on a dimension where a tensor is
+  ``Replicate``-d only the ranks at coordinate 0 count it, so no replica counts twice
+  (torch's ``get_total_norm`` gets the same from DTensor's ``Partial`` norms);
+* plain tensors with ``partition_group``: each rank's optimizer holds a part of the
+  parameters (``ZeroRedundancyOptimizer``, fairscale's ``OSS``, a hand-split model):
+  the sum runs over the group, and :class:`AscentExchange` sends each owner's parameters
+  at ``x + eps`` to the other ranks before the second forward.
+
+DTensor and ``torch.distributed`` are imported lazily and only where present (torch 2.1:
+``torch.distributed._tensor``), so the core imports and runs unsharded without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["dtensor_classes", "is_dtensor", "local", "Layout", "AscentExchange"]
+
+_DTENSOR: Optional[tuple] = None
+
+
+def dtensor_classes() -> tuple:
+    """``(DTensor, Shard, Replicate)`` of this torch, or ``(None, None, None)`` without DTensor."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        found: tuple = (None, None, None)
+        try:
+            if torch.distributed.is_available():
+                try:
+                    from torch.distributed.tensor import DTensor, Replicate, Shard
+                except ImportError:  # torch < 2.4
+                    from torch.distributed._tensor import DTensor, Replicate, Shard
+                found = (DTensor, Shard, Replicate)
+        except ImportError:
+            pass
+        _DTENSOR = found
+    return _DTENSOR
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = dtensor_classes()[0]
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds (a DTensor's local shard, aliased: in-place
+    operations on it write the DTensor); ``t`` itself for a plain tensor."""
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():  # outside autograd, to_local() returns the shard itself
+        return t.to_local()
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{type(t).__module__}.{type(t).__qualname__}"
+
+
+class Layout:
+    """How the parameters that have a gradient are split across ranks, and the one
+    collective that makes a step's partial sums global (see the module docstring).
+
+    ``counted``: the indices of the tensors whose local part this rank adds to the
+    partial sums (None: all); ``groups``: the process groups the partial sums are
+    summed over, in order (empty: none; one per sharded mesh dimension for DTensors,
+    so one for FSDP2 and HSDP); ``replica_check``: plain tensors on several ranks
+    without ``partition_group``, which must be replicas (checked once)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], partition_group=None):
+        self.partition_group = partition_group
+        self.device = params[0].device if params else torch.device("cpu")
+        self.counted: Optional[List[int]] = None
+        self.groups: List[Any] = []
+        DTensor, Shard, Replicate = dtensor_classes()
+        kinds = []
+        for i, q in enumerate(params):
+            value = q.detach()
+            if DTensor is not None and isinstance(value, DTensor):
+                kinds.append(True)
+            elif type(value) is torch.Tensor:
+                kinds.append(False)
+            else:
+                raise TypeError(f"parameter {i} is a {_describe(value)}: the sharpness-aware optimizers reduce "
+                                "plain tensors and DTensors (FSDP2) only; for another tensor type, hand the "
+                                "optimizer its plain local tensors and name the ranks that share them with "
+                                "partition_group=")
+            if q.grad is not None and type(q.grad) is not type(value) and not (kinds[-1] and is_dtensor(q.grad)):
+                raise TypeError(f"parameter {i} is a {_describe(value)} but its gradient is a "
+                                f"{_describe(q.grad)}: the optimizer cannot tell which ranks hold which part")
+        self.sharded = any(kinds)
+        if self.sharded and partition_group is not None:
+            raise ValueError("partition_group must be None for DTensor parameters (FSDP2, fully_shard): they "
+                             "carry their device mesh, over which the step reduces; partition_group names the "
+                             "ranks of plain tensors split by hand or by ZeroRedundancyOptimizer / OSS")
+        self.replica_check = not self.sharded and partition_group is None and _world() > 1
+        if partition_group is not None:
+            self.groups = [partition_group]
+        elif self.sharded:
+            self._mesh_groups(params, kinds, Shard, Replicate)
+
+    def _mesh_groups(self, params, kinds, Shard, Replicate) -> None:
+        mesh = None
+        shard_dims: List[set] = []
+        for i, (q, is_d) in enumerate(zip(params, kinds)):
+            if not is_d:
+                shard_dims.append(set())
+                continue
+            if mesh is None:
+                mesh = q.device_mesh
+            elif q.device_mesh != mesh:
+                raise ValueError(f"parameter {i} lives on another device mesh than parameter {kinds.index(True)}: "
+                                 "the optimizer reduces over one mesh; build one optimizer per mesh")
+            dims = set()
+            for d, placement in enumerate(q.placements):
+                if isinstance(placement, Shard):
+                    dims.add(d)
+                elif not isinstance(placement, Replicate):
+                    raise ValueError(f"parameter {i} has placement {placement} on mesh dimension {d}: the "
+                                     "optimizer reduces Shard and Replicate placements only; redistribute "
+                                     "Partial values (and their gradients) to Shard or Replicate first")
+            shard_dims.append(dims)
+            grad = q.grad
+            if grad is not None and tuple(grad.placements) != tuple(q.placements):
+                raise ValueError(f"parameter {i}'s gradient has placements {tuple(grad.placements)}, the parameter "
+                                 f"{tuple(q.placements)}: the optimizer needs them alike (Partial gradients must "
+                                 "be reduced first)")
+        union = sorted(set().union(*shard_dims))
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError("this rank is not in the parameters' device mesh")
+        self.counted = [i for i, dims in enumerate(shard_dims)
+                        if all(coordinate[d] == 0 for d in union if d not in dims)]
+        if len(self.counted) == len(params):
+            self.counted = None
+        self.groups = [mesh.get_group(mesh_dim=d) for d in union]
+
+    def unfiltered(self) -> "Layout":
+        """This layout for lists that hold only the counted tensors already."""
+        other = object.__new__(Layout)
+        other.__dict__.update(self.__dict__)
+        other.counted = None
+        return other
+
+    @property
+    def collective(self) -> bool:
+        """True when the partial sums cross ranks (every rank must then reduce alike)."""
+        return bool(self.groups)
+
+    def all_reduce(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum ``values`` (float64, on the tensors' device) over the layout's groups, in place."""
+        for group in self.groups:
+            torch.distributed.all_reduce(values, group=group)
+        return values
+
+    def check_split(self, params: Sequence[torch.Tensor]) -> None:
+        """Once per set of parameters: plain tensors on several ranks without
+        ``partition_group`` must be replicas (DDP), and with it they must not be.  One
+        ``all_gather`` of a fingerprint (count, elements, the sum of the values)."""
+        if not (self.replica_check or self.partition_group is not None):
+            return
+        dist = torch.distributed
+        group = self.partition_group
+        device = params[0].device if params else torch.device("cpu")
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.stack([torch.tensor(float(len(params)), dtype=torch.float64, device=device),
+                            torch.tensor(float(sum(q.numel() for q in params)), dtype=torch.float64, device=device),
+                            sum((q.detach().double().sum() for q in params),
+                                torch.zeros((), dtype=torch.float64, device=device))])
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        rows = torch.stack(everyone).tolist()
+        alike = all(r == rows[0] or all(a == b or (a != a and b != b) for a, b in zip(r, rows[0])) for r in rows)
+        if self.partition_group is None and not alike:
+            raise ValueError("the ranks' optimizers hold different parameters (counts, sizes or values differ "
+                             f"across the {len(rows)} ranks), so they are not DDP replicas: pass "
+                             "partition_group=<the process group the parameters are split over> (ZeRO / OSS, a "
+                             "hand-split model) so that the step's norms are summed over it; wrap replicas in "
+                             "DistributedDataParallel (its initial broadcast makes them equal)")
+        if self.partition_group is not None and alike and len(rows) > 1 and rows[0][0] > 0:
+            raise ValueError("partition_group is given, but every rank's optimizer holds the same parameters "
+                             "(replicas, as under DDP): their norms would be counted once per rank; drop "
+                             "partition_group for replicas")
+
+
+class AscentExchange:
+    """Under ``partition_group`` each rank's optimizer moves only its own parameters to
+    ``x + eps``; the second forward needs every parameter there on every rank.  This
+    sends each owner's parameters to the other ranks (one ``all_gather`` per dtype, as
+    ZeRO / OSS broadcast them after their own step) and keeps the receivers' values at
+    ``x`` to put back (:meth:`restore`), so that a dropped step leaves every rank at ``x``.
+
+    Built once per model and set of owned parameters: the owners are found with one
+    ``all_gather`` of who holds which of ``model.parameters()`` (the same list, in the
+    same order, on every rank)."""
+
+    def __init__(self, model_params: List[torch.Tensor], owned: set, group):
+        dist = torch.distributed
+        self.group = group
+        self.params = model_params
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        device = model_params[0].device if model_params else torch.device("cpu")
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        count = torch.tensor([len(model_params)], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(count) for _ in range(self.size)]
+        dist.all_gather(counts, count, group=group)
+        if len({int(c) for c in counts}) != 1:
+            raise ValueError("partition_group: the model passed to second_pass()/step() has "
+                             f"{[int(c) for c in counts]} parameters on the ranks: every rank must pass its "
+                             "replica of the same model")
+        mask = torch.tensor([id(p) in owned for p in model_params], dtype=torch.int64, device=device)
+        masks = [torch.empty_like(mask) for _ in range(self.size)]
+        dist.all_gather(masks, mask, group=group)
+        table = torch.stack(masks).cpu()  # (ranks, parameters): once per model
+        if bool((table.sum(0) > 1).any()):
+            shared = int((table.sum(0) > 1).sum())
+            raise ValueError(f"partition_group: {shared} parameters are held by the optimizers of several ranks; "
+                             "under partition_group each parameter belongs to one rank's optimizer (drop "
+                             "partition_group for replicas)")
+        mine = set(int(i) for i in table[self.rank].nonzero().flatten())
+        if len(mine) != len(owned):
+            raise ValueError("partition_group: the optimizer holds parameters that are not in the model passed "
+                             "to second_pass()/step()")
+        owners = [int(r[0]) if len(r) else -1 for r in (table[:, j].nonzero().flatten() for j in range(len(model_params)))]
+        # per dtype: each rank's parameters in model order, and the padded chunk size
+        self.plan: List[Tuple[torch.dtype, List[List[int]], int]] = []
+        for dtype in sorted({p.dtype for p in model_params}, key=str):
+            by_rank = [[j for j, p in enumerate(model_params) if owners[j] == r and p.dtype == dtype]
+                       for r in range(self.size)]
+            width = max(sum(model_params[j].numel() for j in js) for js in by_rank)
+            if width:
+                self.plan.append((dtype, by_rank, width))
+        self.saved: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+
+    @torch.no_grad()
+    def share(self) -> None:
+        """Every rank receives the other owners' parameters (now at ``x + eps``)."""
+        dist = torch.distributed
+        saved = []
+        for dtype, by_rank, width in self.plan:
+            mine = by_rank[self.rank]
+            send = torch.zeros(width, dtype=dtype, device=self.device)
+            if mine:
+                flat = torch.cat([self.params[j].detach().reshape(-1) for j in mine])
+                send[:flat.numel()].copy_(flat)
+            received = [torch.empty_like(send) for _ in range(self.size)]
+            dist.all_gather(received, send, group=self.group)
+            for r, js in enumerate(by_rank):
+                if r == self.rank:
+                    continue
+                offset = 0
+                for j in js:
+                    p = self.params[j]
+                    n = p.numel()
+                    saved.append((p, p.detach().clone()))
+                    p.detach().copy_(received[r][offset:offset + n].view_as(p))
+                    offset += n
+        self.saved = saved
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the received parameters back at ``x`` (a no-op after it ran once)."""
+        if self.saved:
+            torch._foreach_copy_([p.detach() for p, _ in self.saved], [v for _, v in self.saved])
+        self.saved = None
+
+
+def exchange_for(cache: Dict[str, Any], model: torch.nn.Module, owned: List[torch.Tensor], group) -> AscentExchange:
+    """The :class:`AscentExchange` for ``model`` and the owned parameters, rebuilt only
+    when either changed (``cache`` is the optimizer's)."""
+    model_params = list(model.parameters())
+    key = (tuple(map(id, model_params)), frozenset(map(id, owned)))
+    if cache.get("key") != key:
+        cache["exchange"] = AscentExchange(model_params, set(map(id, owned)), group)
+        cache["key"] = key
+    return cache["exchange"]

@@ -1,0 +1,278 @@
+"""What the ranks run (through spawn_helpers.run_ranks): each function checks many cases
+in one spawn and returns plain numbers for the test to assert on.
+
+Every case trains the same small MLP for a few steps on the same data two ways, in the
+same process: one process with the whole batch (the reference), and the distributed
+setup under test with this rank's slice of it; the ranks' final weights, gathered, and
+their diagnostics are returned beside the reference's."""
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plugins import SAM, VASSO
+from plugins.perturbation import rng_state
+
+VARIANTS = {
+    "SAM": (SAM, {}),
+    "ASAM": (SAM, {"adaptive": True}),
+    "GSAM": (SAM, {"gsam_alpha": 0.3}),
+    "eSAM": (SAM, {"p": 0.5}),
+    "VASSO": (VASSO, {}),
+    "eVASSO": (VASSO, {"p": 0.5}),
+    "V+G": (VASSO, {"gsam_alpha": 0.3}),
+    "adaptive eVASSO": (VASSO, {"adaptive": True, "p": 0.5}),
+}
+DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap")
+STEPS = 4
+PER_RANK = 4  # samples per rank and step
+
+
+def make_model(seed=0):
+    # 5 rows over 4 ranks: shards of 2, 2, 1, 0 rows (uneven, and one rank empty);
+    # over 2 ranks: 3 and 2
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def batches(world, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    n = PER_RANK * world
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(STEPS)]
+
+
+def build(kind, params, base=torch.optim.AdamW, **extra):
+    cls, knobs = VARIANTS[kind]
+    return cls(params, base, rho=0.2, lr=1e-2, **knobs, **extra)
+
+
+def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None, read=True):
+    """STEPS steps with either API; ``opt`` is what the loop calls step() on (our
+    optimizer, or a ZeRO/OSS wrapper), ``explicit_opt`` ours (for perturb/second_pass)."""
+    ours = explicit_opt or opt
+    diags = []
+    for x, y in data:
+        if api == "closure":
+            def closure():
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(closure, model=step_model) if step_model is not None else opt.step(closure)
+        else:
+            rng = rng_state()
+            opt.zero_grad()
+            first = F.cross_entropy(model(x), y)
+            first.backward()
+            if ours.perturb():
+                opt.zero_grad()
+                with ours.second_pass(model, rng):
+                    F.cross_entropy(model(x), y).backward()
+            (finish or ours.descend)()
+        if read:
+            diags.append({k: float(ours.diagnostics[k]) for k in DIAGNOSTICS})
+    return diags
+
+
+def reference(kind, world, api="closure"):
+    model = make_model()
+    opt = build(kind, model.parameters())
+    diags = run(opt, model, batches(world), api)
+    return [p.detach().clone() for p in model.parameters()], diags
+
+
+def full(tensors):
+    return [t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone() for t in tensors]
+
+
+def compare(weights, ref):
+    """The largest relative error over the weights: max |w - ref| / max |ref|."""
+    return max(float((w - r).abs().max()) / max(float(r.abs().max()), 1e-30) for w, r in zip(weights, ref))
+
+
+def my_slice(data):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [(x[rank::world], y[rank::world]) for x, y in data]
+
+
+def _fsdp():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    return fully_shard, init_device_mesh
+
+
+def shard(model, mesh, reshard):
+    fully_shard, _ = _fsdp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def every_setting():
+    """Each member under DDP, FSDP2 (reshard after forward or not, a 2-D mesh where
+    the world is even), ZeroRedundancyOptimizer and fairscale's OSS, against one process.
+    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)}."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    fully_shard, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = batches(world)
+    mine = my_slice(data)
+    out = {}
+    for i, kind in enumerate(VARIANTS):
+        api = "closure" if i % 2 == 0 else "explicit"
+        ref, ref_diags = reference(kind, world, api)
+
+        model = DDP(make_model())
+        opt = build(kind, model.parameters())
+        diags = run(opt, model, mine, api)
+        out[("DDP", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+
+        for reshard in (True, False):
+            mesh = init_device_mesh("cpu", (world,))
+            model = shard(make_model(), mesh, reshard)
+            opt = build(kind, model.parameters())
+            diags = run(opt, model, mine, api)
+            out[(f"FSDP2 reshard={reshard}", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+
+        if world % 2 == 0:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            model = shard(make_model(), mesh, True)
+            opt = build(kind, model.parameters())
+            diags = run(opt, model, mine, api)
+            out[("HSDP 2-D", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+
+        cls, knobs = VARIANTS[kind]
+        model = DDP(make_model())
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.AdamW,
+                                       partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+        diags = run(zero, model, mine, api, step_model=model, finish=zero.step, explicit_opt=zero.optim)
+        out[("ZeRO", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+
+        from fairscale.optim import OSS
+        model = DDP(make_model())
+        oss = OSS(model.parameters(), optim=cls, base_optimizer=torch.optim.AdamW,
+                  partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+        diags = run(oss, model, mine, api, step_model=model, finish=oss.step, explicit_opt=oss.optim)
+        out[("OSS", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+    return out
+
+
+# ------------------------------------------------------------------ host waits
+
+
+class CountWaits:
+    """The host waits of a block, as tests/core counts syncs (``aten._local_scalar_dense``
+    plus ``Tensor.tolist``: a read) plus the blocking collectives the core issues (a
+    ``torch.distributed`` call from a ``plugins`` module without ``async_op``: on gloo
+    the host waits for it).  A collective whose result the next event reads is the same
+    wait as that read, so ``waits`` counts reads and the collectives no read follows."""
+
+    COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+    def __init__(self):
+        import sys
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.events = []
+        self._sys = sys
+
+        class Reads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and not counter._in_tolist:
+                    counter.events.append("read")
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Reads()
+        self._in_tolist = False
+
+    def __enter__(self):
+        counter = self
+        self._saved = {name: getattr(dist, name) for name in self.COLLECTIVES}
+        tolist = self._tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            if counter._in_tolist:
+                return tolist(tensor)
+            counter.events.append("read")
+            counter._in_tolist = True
+            try:
+                return tolist(tensor)
+            finally:
+                counter._in_tolist = False
+
+        def wrap(name, original):
+            def collective(*args, **kwargs):
+                caller = counter._sys._getframe(1).f_globals.get("__name__", "")
+                if caller.startswith("plugins") and not kwargs.get("async_op", False):
+                    counter.events.append("collective")
+                return original(*args, **kwargs)
+            return collective
+
+        for name, original in self._saved.items():
+            setattr(dist, name, wrap(name, original))
+        torch.Tensor.tolist = counted_tolist
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    @property
+    def waits(self):
+        ev = self.events
+        return sum(1 for i, e in enumerate(ev) if e == "read" or (e == "collective" and (i + 1 >= len(ev)
+                                                                                            or ev[i + 1] != "read")))
+
+
+def counted_run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None):
+    """``run`` step by step, returning each step's host waits and whether it had two passes."""
+    ours = explicit_opt or opt
+    counts = []
+    for batch in data:
+        with CountWaits() as waits:
+            run(opt, model, [batch], api, step_model=step_model, finish=finish, explicit_opt=explicit_opt,
+                read=False)
+        counts.append((waits.waits, ours.diagnostics["two_pass"], waits.events))
+    return counts
+
+
+def host_waits():
+    """Each member, both APIs, under DDP, FSDP2 and ZeRO, over SGD (whose step reads
+    nothing): the host waits of every step after the first (whose one-time checks and
+    set-ups wait more), the diagnostics unread."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = my_slice(batches(world)) * 2
+    out = {}
+    for kind in VARIANTS:
+        cls, knobs = VARIANTS[kind]
+        for api in ("closure", "explicit"):
+            model = DDP(make_model())
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            out[("DDP", kind, api)] = counted_run(opt, model, data, api)[1:]
+            model = shard(make_model(), init_device_mesh("cpu", (world,)), True)
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            out[("FSDP2", kind, api)] = counted_run(opt, model, data, api)[1:]
+            model = DDP(make_model())
+            zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.SGD,
+                                           partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+            out[("ZeRO", kind, api)] = counted_run(zero, model, data, api, step_model=model, finish=zero.step,
+                                                   explicit_opt=zero.optim)[1:]
+    return out
