@@ -221,11 +221,20 @@ def check_config(cfg) -> None:
                              "the ascent needs")
     backend = _setting(cfg, "distributed_training.ddp_backend", "")
     if backend == "fully_sharded":
-        refuse("--ddp-backend fully_sharded", "the ascent needs the full gradient and parameters on each rank")
+        if _setting(cfg, "common.cpu", False) or not torch.cuda.is_available():
+            refuse("--ddp-backend fully_sharded", "fairscale's FullyShardedDataParallel computes on CUDA (fairseq "
+                   "0.12 gives it no CPU device, whatever --cpu-offload says; stock fairseq stops with 'Found no "
+                   "NVIDIA driver'); on a CPU use --zero-sharding os (the optimizer state sharded) or "
+                   "--ddp-backend legacy_ddp")
+        refuse("--ddp-backend fully_sharded", "each rank's optimizer would hold slices of FSDP's flat parameters, "
+               "and the core can sum the ascent norm over them only through partition_group, whose second pass "
+               "sends each rank's parameters to the others, which FSDP already gathers itself; use --zero-sharding "
+               "os (the optimizer state sharded) or --ddp-backend c10d / legacy_ddp")
     if backend == "slowmo":
         refuse("--ddp-backend slowmo", "SlowMo changes the parameters outside the optimizer step")
-    if _setting(cfg, "distributed_training.zero_sharding", "none") not in ("none", None):
-        refuse("--zero-sharding", "the sharded optimizer state would split d_t and the ascent norm")
+    zero = _setting(cfg, "distributed_training.zero_sharding", "none")
+    if zero not in ("none", "os", None):
+        refuse(f"--zero-sharding {zero}", "not a mode of fairseq 0.12 (none, os)")
     if _setting(cfg, "common.bf16", False) or _setting(cfg, "common.memory_efficient_bf16", False):
         refuse("--bf16", "fairseq 0.12 runs bf16 (and --memory-efficient-bf16) on TPUs only (it implies --tpu), "
                          "which is not tested here; use --amp or --fp16 on GPUs")
@@ -486,8 +495,9 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
     trainer.zero_grad()
     second_losses = []
     n = len(ctx.calls)
-    # the core's protocol: RNG of the first pass replayed, BatchNorm frozen, abandon() on an exception
-    with sa.second_pass(trainer.model, ctx.rng):
+    # the core's protocol: RNG of the first pass replayed, BatchNorm frozen, abandon() on an exception;
+    # --zero-sharding os: the owners' parameters at x_t + eps_t reach every rank first
+    with sa.second_pass(_second_pass_model(trainer, sa), ctx.rng):
         for i, (args, kwargs) in enumerate(ctx.calls):
             with _maybe_no_sync(trainer, i, n):
                 loss, _, logging_output = stock_task_step(*args, **kwargs)
@@ -498,6 +508,15 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
         trainer.optimizer.all_reduce_grads(trainer.criterion)
     stock_multiply(c)
     ctx.loss_gap = _loss_gap(trainer, ctx.first_losses, second_losses, c)
+
+
+def _second_pass_model(trainer, sa):
+    """The model whose BatchNorm layers the second pass freezes; sharded (``--zero-sharding
+    os``), also every parameter the optimizers hold, the criterion's included (fairseq's
+    Trainer optimizes both), in the same order on every rank."""
+    if sa.sharded and utils.has_parameters(trainer.criterion):
+        return torch.nn.ModuleList([trainer.model, trainer.criterion])
+    return trainer.model
 
 
 def _loss_gap(trainer, first, second, c):
@@ -541,7 +560,7 @@ def _log_diagnostics(sa, ctx):
         ok = two_pass > 0 and _finite_on_host(value)
         metrics.log_scalar(key, value if ok else float("nan"), weight=1 if ok else 0, priority=810 + i, round=5)
     metrics.log_scalar("two_pass", two_pass, weight=1, priority=815, round=3)
-    metrics.log_scalar("rho", float(raw.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
+    metrics.log_scalar("rho", float(raw.get("rho", sa.core.rho)), weight=1, priority=816, round=5)
 
 
 # ------------------------------------------------------------------ installing
