@@ -15,6 +15,10 @@ patches:
   one line and exit status 2, like argparse, before the task, model or data exist.
 * ``Trainer.__init__``: the same refusals for configs that never went through the
   command line (``fairseq-hydra-train``).
+* ``AMPOptimizer.state_dict`` / ``load_state_dict`` (inherited from FairseqOptimizer, they
+  read the torch optimizer under ours): with ``sam`` / ``vasso`` they go to ours, which
+  drops a step in flight first (fairseq saves crash.pt after a FloatingPointError) and,
+  under ``--zero-sharding os``, gathers and slices the ranks' parts.
 * ``train_step``: with any other optimizer it calls fairseq's own ``train_step``
   and nothing else.  With ``sam`` / ``vasso`` it runs fairseq's own ``train_step``
   too, with instance-level wrappers that are removed afterwards:
@@ -176,6 +180,8 @@ def _stock(fn):
 _stock_init = _stock(Trainer.__init__)
 _stock_train_step = _stock(Trainer.train_step)
 _stock_parse_args_and_arch = _stock(options.parse_args_and_arch)
+_stock_amp_state_dict = _stock(AMPOptimizer.state_dict)
+_stock_amp_load_state_dict = _stock(AMPOptimizer.load_state_dict)
 
 
 class UnsupportedMode(ValueError):
@@ -440,21 +446,19 @@ def _two_pass_train_step(trainer, sa, samples, raise_oom):
     step._fairseq_vasso_stock = stock_step
     patches = [(task, "train_step", recording_task_step), (opt, "multiply_grads", multiply_then_second_pass),
                (opt, "step", step)]
-    if amp is not None:
-        # AMPOptimizer.state_dict reads the core directly; fairseq saves crash.pt after a
-        # FloatingPointError (minimum loss scale), possibly mid-step: ours drops the step first
-        patches.append((opt, "state_dict", sa.state_dict))
     try:
         with _instance_patches(patches):
             out = _stock_train_step(trainer, samples, raise_oom)
     finally:
         if sa.in_flight:
             # the update was skipped (fp16 overflow) or failed: back to x_t (the core may
-            # have done so already; abandon() is idempotent), also in the fp16 model
+            # have done so already; abandon() is idempotent)
             sa.abandon()
-            masters = _fp32_masters(trainer)
-            if masters is not None:
-                masters._sync_fp32_params_to_fp16()
+        masters = _fp32_masters(trainer)
+        if masters is not None and not ctx.step_taken:
+            # also in the fp16 model (the core restored the masters, or dropped the step on an
+            # exception in the second pass); a step taken synced them itself
+            masters._sync_fp32_params_to_fp16()
     if ctx.step_taken:
         # the aggregation context of fairseq's own train_step stats (decorated with
         # metrics.aggregate("train")), plus whatever the caller has active ("train_inner")
@@ -490,14 +494,14 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
         if not sa.perturb():
             return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
     masters = _fp32_masters(trainer)
-    if masters is not None:  # the fp32 masters moved: the fp16 model runs the second pass
-        masters._sync_fp32_params_to_fp16()
     trainer.zero_grad()
     second_losses = []
     n = len(ctx.calls)
     # the core's protocol: RNG of the first pass replayed, BatchNorm frozen, abandon() on an exception;
     # --zero-sharding os: the owners' parameters at x_t + eps_t reach every rank first
     with sa.second_pass(_second_pass_model(trainer, sa), ctx.rng):
+        if masters is not None:  # the fp32 masters moved (all of them, now): the fp16 model runs the second pass
+            masters._sync_fp32_params_to_fp16()
         for i, (args, kwargs) in enumerate(ctx.calls):
             with _maybe_no_sync(trainer, i, n):
                 loss, _, logging_output = stock_task_step(*args, **kwargs)
@@ -512,11 +516,17 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
 
 def _second_pass_model(trainer, sa):
     """The model whose BatchNorm layers the second pass freezes; sharded (``--zero-sharding
-    os``), also every parameter the optimizers hold, the criterion's included (fairseq's
-    Trainer optimizes both), in the same order on every rank."""
-    if sa.sharded and utils.has_parameters(trainer.criterion):
-        return torch.nn.ModuleList([trainer.model, trainer.criterion])
-    return trainer.model
+    os``), also every parameter the optimizers hold, in the same order on every rank: the
+    criterion's (fairseq's Trainer optimizes both), and under ``--fp16`` the fp32 masters."""
+    if not sa.sharded:
+        return trainer.model
+    parts = [trainer.model]
+    masters = _fp32_masters(trainer)
+    if masters is not None:  # the cores hold the fp32 masters, which the model does not
+        parts.append(torch.nn.ParameterList(masters.fp32_params))
+    elif utils.has_parameters(trainer.criterion):
+        parts.append(trainer.criterion)
+    return parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
 
 
 def _loss_gap(trainer, first, second, c):
@@ -563,6 +573,24 @@ def _log_diagnostics(sa, ctx):
     metrics.log_scalar("rho", float(raw.get("rho", sa.core.rho)), weight=1, priority=816, round=5)
 
 
+@functools.wraps(_stock_amp_state_dict)
+def _patched_amp_state_dict(self):
+    # AMPOptimizer inherits FairseqOptimizer's, which reads the torch optimizer under ours: the
+    # core, or under --zero-sharding os fairscale's OSS, whose state dict ours gathers itself
+    inner = getattr(self, "fp32_optimizer", None)
+    if isinstance(inner, FairseqSharpnessAware):
+        return inner.state_dict()
+    return _stock_amp_state_dict(self)
+
+
+@functools.wraps(_stock_amp_load_state_dict)
+def _patched_amp_load_state_dict(self, state_dict, optimizer_overrides=None):
+    inner = getattr(self, "fp32_optimizer", None)
+    if isinstance(inner, FairseqSharpnessAware):
+        return inner.load_state_dict(state_dict, optimizer_overrides)
+    return _stock_amp_load_state_dict(self, state_dict, optimizer_overrides)
+
+
 # ------------------------------------------------------------------ installing
 
 #: (owner, attribute, our function): every patch this module makes
@@ -570,6 +598,8 @@ PATCHES = (
     (options, "parse_args_and_arch", _patched_parse_args_and_arch),
     (Trainer, "__init__", _patched_init),
     (Trainer, "train_step", _patched_train_step),
+    (AMPOptimizer, "state_dict", _patched_amp_state_dict),
+    (AMPOptimizer, "load_state_dict", _patched_amp_load_state_dict),
 )
 
 

@@ -257,7 +257,21 @@ class FairseqSharpnessAware(FairseqOptimizer):
         """``--amp``: finish the step through ``scaler.step(core)``: the scaler hands the
         core its overflow verdict (and the scale, unless ``scaler.unscale_(core)`` already
         ran), so h_t is unscaled exactly once; an overflow skips the base step at x_t."""
-        self.last_step_taken = bool(scaler.step(self.core))
+        if self.sharded:
+            # through OSS (its broadcast follows the step): GradScaler.step(OSS) takes the verdict of
+            # the unscale_(OSS) in fairseq's clip_grad_norm and, without an overflow, calls OSS.step(),
+            # whose core.step() finishes the step perturb(scaler=...) began with h_t unscaled once
+            core = self.core
+            core.found_inf, core.grad_scale = torch.zeros((), device=_device(core)), None
+            try:
+                self.last_step_taken = bool(scaler.step(self._optimizer))
+            finally:
+                core.__dict__.pop("found_inf", None)
+                core.__dict__.pop("grad_scale", None)
+                if core.in_flight:  # an overflow: the scaler skipped OSS.step(); x_t back, the step dropped
+                    core.abandon()
+        else:
+            self.last_step_taken = bool(scaler.step(self.core))
         self.last_diagnostics = self.core.diagnostics
 
     # -------------------------------------------------------------- state
@@ -318,6 +332,11 @@ class FairseqSharpnessAware(FairseqOptimizer):
     @property
     def supports_groups(self):
         return False
+
+
+def _device(optimizer):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return params[0].device if params else torch.device("cpu")
 
 
 def _partition_class(core_class, settings):

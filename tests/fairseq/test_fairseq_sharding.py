@@ -2,9 +2,10 @@
 
 ``--zero-sharding os`` (fairscale's OSS: each rank's optimizer holds only its partition
 of the parameters, d_t beside Adam's moments) gives the ``--ddp-backend legacy_ddp``
-run's losses, diagnostics and final weights, to float rounding, also with
-``--update-freq 2 --clip-norm``; a run stopped and resumed from ``checkpoint_last.pt``
-(fairseq gathers the ranks' parts on save) continues the same losses.
+run's losses, diagnostics and final weights, to float rounding: sam and vasso, fp32 with
+``--update-freq 2 --clip-norm``, and ``--amp``, ``--fp16 --fp16-no-flatten-grads`` and
+``--memory-efficient-fp16`` with real overflows; it saves what legacy_ddp saves (fairseq
+gathers the ranks' parts) and a resumed run continues as legacy_ddp's does.
 
 ``--ddp-backend fully_sharded`` (fairscale's FSDP) computes on CUDA whatever the flags:
 on a CPU it is refused with the reason and the alternatives.
@@ -26,6 +27,7 @@ except ImportError as exc:
 
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,6 +39,11 @@ import torch
 DRIVER = textwrap.dedent('''
     import os, sys
     import torch
+    if os.environ.get("FSV_CPU_HALF"):  # --amp / --fp16 on a CPU: the device checks the in-process tests patch
+        from tests.fairseq.conftest import cpu_half_precision_patches
+
+        for owner, name, value in cpu_half_precision_patches():
+            setattr(owner, name, value)
     import fairseq_vasso  # noqa: F401  (the hooks, as --user-dir would install them)
     from fairseq.trainer import Trainer
 
@@ -49,7 +56,9 @@ DRIVER = textwrap.dedent('''
                                                                          self.optimizer)
         core = sa.core
         held = [p for g in core.param_groups for p in g["params"]]
-        log.append({"num_updates": self.get_num_updates(), "sharded": sa.sharded,
+        scaler = getattr(self.optimizer, "scaler", None)
+        scale = scaler.get_scale() if hasattr(scaler, "get_scale") else getattr(scaler, "loss_scale", None)
+        log.append({"num_updates": self.get_num_updates(), "sharded": sa.sharded, "loss_scale": scale,
                     "held": len(held), "all": sum(1 for p in self.model.parameters() if p.requires_grad),
                     "slopes": sum(1 for p in held if "slope" in core.state.get(p, {})),
                     "moments": sum(1 for p in held if "exp_avg" in core.base_optimizer.state.get(p, {})),
@@ -65,10 +74,20 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
+_PORTS = iter(random.Random(os.getpid()).sample(range(20000, 32000), 2000))
+
+
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999): gloo's own connections take
+    ephemeral ports, which would otherwise clash with a run of this module that starts later."""
+    for port in _PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _argv(fs, data, save_dir, optimizer, max_update, extra):
@@ -82,7 +101,7 @@ def _argv(fs, data, save_dir, optimizer, max_update, extra):
 class _Run:
     """One fairseq-train on 2 ranks (2 processes, each in its own session)."""
 
-    def __init__(self, fs, data, root, name, optimizer, max_update, extra, driver):
+    def __init__(self, fs, data, root, name, optimizer, max_update, extra, driver, half=False):
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
         port = _free_port()
@@ -91,6 +110,7 @@ class _Run:
             argv = _argv(fs, data, self.dir / "ckpt", optimizer, max_update, extra) + [
                 "--distributed-rank", str(rank), "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "FSV_DUMP": str(self.dir / f"rank{rank}.pt"),
+                   **({"FSV_CPU_HALF": "1"} if half else {}),
                    "PYTHONPATH": os.pathsep.join([str(fs.REPO), os.environ.get("PYTHONPATH", "")])}
             self.procs.append(subprocess.Popen([sys.executable, str(driver), *argv], cwd=str(fs.REPO), env=env,
                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -127,14 +147,18 @@ class _Run:
 
 
 VASSO = ["--update-freq", "2", "--clip-norm", "0.5", "--theta", "0.4", "--load-checkpoint-on-all-dp-ranks"]
+OVERFLOWS = ["--fp16-init-scale", "65536"]  # overflows for real (conftest's CPU patches)
 CASES = {
-    # name: (optimizer, extra flags, max_update); the vasso runs stop after 3 updates (saving
-    # checkpoint_last.pt) and are resumed below to 6
-    "sam-legacy": ("sam", ["--ddp-backend", "legacy_ddp"], 4),
-    "sam-os": ("sam", ["--ddp-backend", "legacy_ddp", "--zero-sharding", "os"], 4),
-    "vasso-legacy": ("vasso", ["--ddp-backend", "legacy_ddp", *VASSO], 3),
-    "vasso-os": ("vasso", ["--ddp-backend", "legacy_ddp", "--zero-sharding", "os", *VASSO], 3),
+    # name: (optimizer, extra flags); each as legacy_ddp and with --zero-sharding os, 3 updates.
+    # fp32: vasso with --update-freq 2 --clip-norm, saving checkpoint_last.pt, resumed below to 6
+    "vasso": ("vasso", VASSO),
+    # the loss-scaled modes that stock adam runs with --zero-sharding os (fairseq refuses
+    # flattened --fp16 with it), from a loss scale that overflows
+    "amp": ("sam", ["--amp", *OVERFLOWS]),
+    "fp16": ("vasso", ["--fp16", "--fp16-no-flatten-grads", *OVERFLOWS]),
+    "mefp16": ("vasso", ["--memory-efficient-fp16", *OVERFLOWS]),
 }
+HALF = ("amp", "fp16", "mefp16")
 # Every rank reads the checkpoint (--load-checkpoint-on-all-dp-ranks): fairseq 0.12 otherwise
 # broadcasts rank 0's copy with torch.save/torch.load, whose weights_only default (torch >= 2.6)
 # refuses the omegaconf config inside on the other ranks, whatever the optimizer.
@@ -152,26 +176,31 @@ def runs(toy_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
     driver = root / "driver.py"
     driver.write_text(DRIVER)
-    started = {name: _Run(fs, toy_data, root, name, opt, n, extra, driver) for name, (opt, extra, n) in CASES.items()}
-    done = {name: run.wait() for name, run in started.items()}
+
+    def start(name, backend, max_update):
+        opt, extra = CASES[name]
+        extra = ["--ddp-backend", "legacy_ddp", *extra, *(["--zero-sharding", "os"] if backend == "os" else [])]
+        return _Run(fs, toy_data, root, f"{name}-{backend}", opt, max_update, extra, driver, half=name in HALF)
+
+    started = [start(name, backend, 3) for name in CASES for backend in ("legacy", "os")]
+    done = {run.dir.name: run.wait() for run in started}
     for name in ("vasso-legacy", "vasso-os"):  # what each saved after 3 updates, before it is resumed
         done[name].saved = torch.load(root / name / "ckpt" / "checkpoint_last.pt", weights_only=True)
-    resumed = {name: _Run(fs, toy_data, root, name, *CASES[name][:1], 6, CASES[name][1], driver)
-               for name in ("vasso-legacy", "vasso-os")}
-    done.update({name + "-resumed": run.wait() for name, run in resumed.items()})
+    resumed = [start("vasso", backend, 6) for backend in ("legacy", "os")]
+    done.update({run.dir.name + "-resumed": run.wait() for run in resumed})
     return done
 
 
 def _same_run(ref, other, *, rel=1e-5):
     """``other`` (--zero-sharding os) gives ``ref``'s (legacy_ddp) losses, diagnostics and
     final weights on both ranks."""
-    assert len(ref.inner()) == len(ref.rank(0)["log"]) > 0
+    assert len(ref.inner()) == len(_taken(ref.rank(0)["log"])) > 0
     assert [s["loss"] for s in other.inner()] == [s["loss"] for s in ref.inner()]
     # the logged values, as printed (stability below: it cancels, and may differ in its last digit)
     for key in ("gnorm", "ascent_norm", "sharpness", "loss_gap", "two_pass", "rho", "lr"):
         assert [s.get(key) for s in other.inner()] == [s.get(key) for s in ref.inner()], key
     a, b = ref.rank(0), other.rank(0)
-    for x, y in zip(a["log"], b["log"]):  # unrounded, every update
+    for x, y in zip(_taken(a["log"]), _taken(b["log"])):  # unrounded, every update
         for key in ("ascent_norm", "sharpness", "stability", "loss_gap"):
             if math.isnan(x.get(key, math.nan)):
                 assert math.isnan(y.get(key, math.nan)), (key, x, y)
@@ -192,6 +221,11 @@ def _same_run(ref, other, *, rel=1e-5):
     assert all(torch.equal(b["model"][k], b1["model"][k]) for k in b["model"])
 
 
+def _taken(log):
+    """The dump's entries of updates taken (an overflowed train_step call leaves num_updates)."""
+    return [e for i, e in enumerate(log) if e["num_updates"] > (log[i - 1]["num_updates"] if i else 0)]
+
+
 def _sharded_state(run):
     """Each rank's core holds only its partition, with d_t (VASSO's slope) and Adam's moments
     for exactly those parameters; the partitions cover the model."""
@@ -201,20 +235,31 @@ def _sharded_state(run):
     return r0, r1
 
 
-def test_zero_sharding_sam_gives_the_legacy_ddp_run(runs):
-    _same_run(runs["sam-legacy"], runs["sam-os"])
-    r0, r1 = _sharded_state(runs["sam-os"])
-    assert r0["moments"] == r0["held"] and r1["moments"] == r1["held"]
-    assert not runs["sam-legacy"].rank(0)["log"][-1]["sharded"]
-
-
 def test_zero_sharding_vasso_with_update_freq_and_clip_norm_gives_the_legacy_ddp_run(runs):
     _same_run(runs["vasso-legacy"], runs["vasso-os"])
+    assert not runs["vasso-legacy"].rank(0)["log"][-1]["sharded"]
     r0, r1 = _sharded_state(runs["vasso-os"])
     assert (r0["slopes"], r1["slopes"]) == (r0["held"], r1["held"])  # d_t sharded beside the moments
     assert (r0["moments"], r1["moments"]) == (r0["held"], r1["held"])
     # --clip-norm 0.5 clipped: the logged gnorm is above it
     assert min(float(s["gnorm"]) for s in runs["vasso-os"].inner()) > 0.5
+
+
+@pytest.mark.parametrize("mode", list(HALF))
+def test_zero_sharding_in_the_loss_scaled_modes_gives_the_legacy_ddp_run(runs, mode):
+    """The same overflows, skips and loss scales, then the same updates: bit for bit in fp16
+    parameters (--fp16 masters, --memory-efficient-fp16); under --amp's fp16 autocast, to fp16
+    rounding (the second forward at x_t + eps_t rounds its activations to fp16, so a last-bit
+    difference in the ascent norm's sum can move a loss by an fp16 step)."""
+    ref, other = runs[f"{mode}-legacy"], runs[f"{mode}-os"]
+    a, b = ref.rank(0)["log"], other.rank(0)["log"]
+    assert [(e["num_updates"], e["loss_scale"]) for e in a] == [(e["num_updates"], e["loss_scale"]) for e in b]
+    assert len(a) > 3 and a[-1]["loss_scale"] < 65536  # overflows happened and were skipped alike
+    _same_run(ref, other, rel=1e-5 if mode != "amp" else 1e-3)
+    r0, r1 = _sharded_state(other)
+    assert (r0["moments"], r1["moments"]) == (r0["held"], r1["held"])
+    if CASES[mode][0] == "vasso":
+        assert (r0["slopes"], r1["slopes"]) == (r0["held"], r1["held"])
 
 
 def test_zero_sharding_saves_what_legacy_ddp_saves_and_resumes_as_it_does(runs):
@@ -244,6 +289,7 @@ def test_zero_sharding_saves_what_legacy_ddp_saves_and_resumes_as_it_does(runs):
     # resumed from those checkpoints (each rank reading it), both continue alike
     _same_run(runs["vasso-legacy-resumed"], runs["vasso-os-resumed"])
     assert [int(s["num_updates"]) for s in runs["vasso-os-resumed"].inner()] == [4, 5, 6]
+    assert runs["vasso-os-resumed"].rank(0)["log"][-1]["sharded"]
 
 
 def test_fully_sharded_is_refused_on_cpu_with_the_alternatives(toy_data, tmp_path, fs, capsys):
