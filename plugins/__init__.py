@@ -12,8 +12,9 @@ Experiments, benchmarks and plots live in :mod:`plugins.lab`, which the core nev
     'AdamW'
 """
 
+from .distributed import PartitionGroup
 from .optimizer import SAM, VASSO, SharpnessAware
 from .perturbation import frozen_running_stats, rng_state, set_rng_state
 
-__all__ = ["SAM", "VASSO", "SharpnessAware", "frozen_running_stats", "rng_state", "set_rng_state"]
+__all__ = ["SAM", "VASSO", "SharpnessAware", "PartitionGroup", "frozen_running_stats", "rng_state", "set_rng_state"]
 __version__ = "0.1.0"

@@ -16,36 +16,38 @@ ranks that sum runs, from what the parameters are:
   the sum runs over the group, and :class:`AscentExchange` sends each owner's parameters
   at ``x + eps`` to the other ranks before the second forward.
 
-DTensor and ``torch.distributed`` are imported lazily and only where present (torch 2.1:
-``torch.distributed._tensor``), so the core imports and runs unsharded without them.
+This module imports no DTensor module: it takes the classes from the one already
+loaded (``torch.distributed.tensor``, torch 2.1's ``torch.distributed._tensor``), so the
+core imports and runs unsharded on any torch, and a run without DTensors never loads it.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["dtensor_classes", "is_dtensor", "local", "Layout", "AscentExchange"]
+__all__ = ["dtensor_classes", "is_dtensor", "local", "PartitionGroup", "Layout", "AscentExchange"]
 
 _DTENSOR: Optional[tuple] = None
+_NONE = (None, None, None)
 
 
 def dtensor_classes() -> tuple:
-    """``(DTensor, Shard, Replicate)`` of this torch, or ``(None, None, None)`` without DTensor."""
+    """``(DTensor, Shard, Replicate)`` of this torch, or ``(None, None, None)`` while no
+    DTensor module is loaded: a DTensor cannot exist before its module is imported, so
+    a run without one never pays for importing it (nor does torch 2.1, where it lives
+    in ``torch.distributed._tensor``)."""
     global _DTENSOR
     if _DTENSOR is None:
-        found: tuple = (None, None, None)
+        module = sys.modules.get("torch.distributed.tensor") or sys.modules.get("torch.distributed._tensor")
+        if module is None:
+            return _NONE
         try:
-            if torch.distributed.is_available():
-                try:
-                    from torch.distributed.tensor import DTensor, Replicate, Shard
-                except ImportError:  # torch < 2.4
-                    from torch.distributed._tensor import DTensor, Replicate, Shard
-                found = (DTensor, Shard, Replicate)
-        except ImportError:
-            pass
-        _DTENSOR = found
+            _DTENSOR = (module.DTensor, module.Shard, module.Replicate)
+        except AttributeError:  # a partly initialized module: try again next time
+            return _NONE
     return _DTENSOR
 
 
@@ -61,6 +63,32 @@ def local(t: torch.Tensor) -> torch.Tensor:
         return t
     with torch.no_grad():  # outside autograd, to_local() returns the shard itself
         return t.to_local()
+
+
+class PartitionGroup:
+    """``partition_group`` in a form a checkpoint can hold.
+
+    ``ZeroRedundancyOptimizer`` and fairscale's ``OSS`` copy every keyword of their
+    optimizer class into their own ``param_groups``, hence into their ``state_dict()``,
+    and a ``ProcessGroup`` cannot be pickled: ``torch.save`` of their state would fail.
+    This handle pickles as its ranks alone (a loaded one holds no group; the optimizer
+    built by the resumed run is given the live one)::
+
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO,
+                                       base_optimizer=torch.optim.AdamW,
+                                       partition_group=PartitionGroup(group), lr=1e-3)
+    """
+
+    def __init__(self, group=None):
+        dist = torch.distributed
+        self.group = dist.group.WORLD if group is None else group
+        self.ranks = list(dist.get_process_group_ranks(self.group))
+
+    def __getstate__(self):
+        return {"group": None, "ranks": self.ranks}
+
+    def __repr__(self) -> str:
+        return f"PartitionGroup(ranks={self.ranks}{'' if self.group is not None else ', not live: loaded'})"
 
 
 def _world() -> int:
@@ -109,7 +137,9 @@ class Layout:
                              "carry their device mesh, over which the step reduces; partition_group names the "
                              "ranks of plain tensors split by hand or by ZeroRedundancyOptimizer / OSS")
         self.replica_check = not self.sharded and partition_group is None and _world() > 1
-        if partition_group is not None:
+        # a group of this rank alone: its parameters are its own (ranks training models of their own)
+        self.partitioned = partition_group is not None and torch.distributed.get_world_size(partition_group) > 1
+        if self.partitioned:
             self.groups = [partition_group]
         elif self.sharded:
             self._mesh_groups(params, kinds, Shard, Replicate)
@@ -172,7 +202,7 @@ class Layout:
         """Once per set of parameters: plain tensors on several ranks without
         ``partition_group`` must be replicas (DDP), and with it they must not be.  One
         ``all_gather`` of a fingerprint (count, elements, the sum of the values)."""
-        if not (self.replica_check or self.partition_group is not None):
+        if not (self.replica_check or self.partitioned):
             return
         dist = torch.distributed
         group = self.partition_group
@@ -192,8 +222,10 @@ class Layout:
                              f"across the {len(rows)} ranks), so they are not DDP replicas: pass "
                              "partition_group=<the process group the parameters are split over> (ZeRO / OSS, a "
                              "hand-split model) so that the step's norms are summed over it; wrap replicas in "
-                             "DistributedDataParallel (its initial broadcast makes them equal)")
-        if self.partition_group is not None and alike and len(rows) > 1 and rows[0][0] > 0:
+                             "DistributedDataParallel (its initial broadcast makes them equal); ranks that train "
+                             "models of their own pass a group of one rank, "
+                             "partition_group=torch.distributed.new_subgroups(1)[0]")
+        if self.partitioned and alike and len(rows) > 1 and rows[0][0] > 0:
             raise ValueError("partition_group is given, but every rank's optimizer holds the same parameters "
                              "(replicas, as under DDP): their norms would be counted once per rank; drop "
                              "partition_group for replicas")
@@ -240,7 +272,8 @@ class AscentExchange:
         if len(mine) != len(owned):
             raise ValueError("partition_group: the optimizer holds parameters that are not in the model passed "
                              "to second_pass()/step()")
-        owners = [int(r[0]) if len(r) else -1 for r in (table[:, j].nonzero().flatten() for j in range(len(model_params)))]
+        holders = (table[:, j].nonzero().flatten() for j in range(len(model_params)))
+        owners = [int(r[0]) if len(r) else -1 for r in holders]  # -1: optimized by no rank
         # per dtype: each rank's parameters in model order, and the padded chunk size
         self.plan: List[Tuple[torch.dtype, List[List[int]], int]] = []
         for dtype in sorted({p.dtype for p in model_params}, key=str):

@@ -114,7 +114,11 @@ class SharpnessAware(torch.optim.Optimizer):
             replicas and for DTensor parameters (FSDP2's ``fully_shard``), which carry
             their device mesh; given with DTensors it is refused.  Named this way because
             ``ZeroRedundancyOptimizer`` and ``OSS`` keep ``process_group`` / ``group``
-            for themselves: pass them the same group.
+            for themselves: pass them the same group.  They also copy this keyword into
+            their ``state_dict()``, where a ``ProcessGroup`` cannot be pickled: pass it
+            there as :class:`plugins.PartitionGroup` ``(group)``, which can.  Ranks that
+            train models of their own pass a group of one rank
+            (``torch.distributed.new_subgroups(1)[0]``): nothing is reduced.
 
     Two ways to use it.  With a closure (torch's convention)::
 
@@ -194,6 +198,9 @@ class SharpnessAware(torch.optim.Optimizer):
         self.track_stability = check("track_stability", track_stability)
         self.exact_restore = check("exact_restore", exact_restore)
         self.partition_group = check("partition_group", partition_group)
+        # split over several ranks (a group of one rank: this rank's parameters are its own)
+        self._partitioned = (self.partition_group is not None
+                             and torch.distributed.get_world_size(self.partition_group) > 1)
 
         super().__init__(params, defaults={"rho": rho})
         if isinstance(base_optimizer, torch.optim.Optimizer):
@@ -612,6 +619,10 @@ class SharpnessAware(torch.optim.Optimizer):
         carries (None once ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's
         verdict on it (``GradScaler.step`` hands both over)."""
         pending = self._pending
+        if pending["kind"] == "perturbed" and self._partitioned and pending["exchange"] is None:
+            self.abandon()  # the second pass ran with the other ranks' parameters at x_t: its h_t is wrong
+            raise RuntimeError(_PARTITION_MODEL.replace("the second pass needs", "the second pass ran outside "
+                                                        "second_pass(model, rng); it needs"))
         self.restore()
         self._pending = None
         self.in_second_pass = False
@@ -703,7 +714,7 @@ class SharpnessAware(torch.optim.Optimizer):
         pending = self._pending
         if pending is None or pending["kind"] != "perturbed":
             raise RuntimeError("second_pass() without a perturbation: enter it only when perturb() returned True")
-        if self.partition_group is not None:
+        if self._partitioned:
             if model is None:
                 self.abandon()
                 raise ValueError(_PARTITION_MODEL)
@@ -744,7 +755,14 @@ class SharpnessAware(torch.optim.Optimizer):
         :meth:`second_step` then ignores that pass's gradients and steps with ``g_t``,
         which is kept for it on skipped steps: the ``.grad`` tensors themselves with
         ``zero_grad=True`` (no copy), else a copy of them, until :meth:`second_step`.
+
+        Not under ``partition_group``: those loops run the second pass outside
+        :meth:`second_pass`, where the other ranks' parameters could not arrive.
         """
+        if self._partitioned:
+            raise ValueError("first_step()/second_step() run the second pass outside second_pass(), so under "
+                             "partition_group the other ranks' parameters would stay at x_t: use "
+                             "step(closure, model=model), or perturb(), second_pass(model, rng) and descend()")
         wanted = self.perturb()
         pending = self._pending
         if pending["kind"] == "first_gradient":  # the coin skipped: keep g_t for second_step
@@ -800,7 +818,7 @@ class SharpnessAware(torch.optim.Optimizer):
         """
         if closure is None:
             return self._finish_step()
-        if self.partition_group is not None and model is None:
+        if self._partitioned and model is None:
             raise ValueError(_PARTITION_MODEL)
         rng = P.rng_state()
         self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t

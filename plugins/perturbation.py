@@ -95,11 +95,11 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, *
         partial = torch.cat([partial] + extra)
     if layout is not None and layout.collective:
         layout.all_reduce(partial)
-    is_norm = [len(t) >= 3 or t[1] is None for t in terms]
+    is_norm = [len(t) >= 3 or t[1] is None for t in terms] + [False] * (partial.numel() - len(terms))
     if not any(is_norm):
         return partial
-    mask = torch.tensor(is_norm + [False] * (partial.numel() - len(terms)), device=partial.device)
-    return torch.where(mask, partial.clamp(min=0.0).sqrt(), partial)
+    # the roots entry by entry: a mask tensor would be a host-to-device copy per call
+    return torch.stack([v.clamp(min=0.0).sqrt() if n else v for v, n in zip(partial.unbind(0), is_norm)])
 
 
 def local_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
@@ -227,7 +227,7 @@ def ascent_direction(
         scales = [adaptive_scale(x, eta) if m else None for x, m in zip(params, adaptive_mask)]
         scaled = [v * t if t is not None else v.detach().clone() for v, t in zip(slopes, scales)]
     if norm is not None:  # ||T v||, reduced already (with the step's first reduction)
-        norm = torch.tensor(norm, dtype=torch.float64, device=scaled[0].device if scaled else None)
+        norm = torch.full((), norm, dtype=torch.float64, device=scaled[0].device if scaled else None)
     elif not scaled and (layout is None or not layout.collective):
         return scaled, torch.zeros((), dtype=torch.float64)
     else:

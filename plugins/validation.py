@@ -95,7 +95,7 @@ def describe(knob: str, *, within: Optional[Range] = None, words: Tuple[str, str
     if spec.kind == "int":
         return "an integer"
     if spec.kind == "group":
-        return "a torch.distributed ProcessGroup this rank belongs to, or None"
+        return "a torch.distributed ProcessGroup this rank belongs to (or a plugins.PartitionGroup), or None"
     return f"in {within or spec.range}"
 
 
@@ -139,16 +139,23 @@ def check(knob: str, value: Any, *, name: Optional[str] = None, within: Optional
 
 
 def _process_group(value: Any, name: str) -> Any:
-    """``value`` if it is a process group of an initialized ``torch.distributed`` that
-    this rank belongs to, else ValueError saying what to pass."""
+    """The process group ``value`` names (a ``ProcessGroup``, or the live group of a
+    :class:`plugins.distributed.PartitionGroup`) if ``torch.distributed`` is initialized
+    and this rank belongs to it, else ValueError saying what to pass."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{name} names a torch.distributed process group, but torch.distributed is not "
                          f"initialized (call torch.distributed.init_process_group first), got {value!r}")
+    handle = type(value).__name__ == "PartitionGroup" and hasattr(value, "ranks")
+    if handle:  # plugins.distributed.PartitionGroup: the live group inside
+        if value.group is None:
+            raise ValueError(f"{name}: {value!r} was loaded from a checkpoint and holds no process group: pass "
+                             "the live group (PartitionGroup(group)) when building the optimizer")
+        value = value.group
     if not isinstance(value, dist.ProcessGroup):
         raise ValueError(f"{name} must be a torch.distributed ProcessGroup (dist.group.WORLD, dist.new_group(...), "
-                         f"the group given to ZeroRedundancyOptimizer / OSS) or None, got {value!r} "
-                         f"({type(value).__name__})")
+                         f"the group given to ZeroRedundancyOptimizer / OSS), a plugins.PartitionGroup or None, "
+                         f"got {value!r} ({type(value).__name__})")
     if dist.get_rank(value) < 0:
         raise ValueError(f"{name}: this rank ({dist.get_rank()}) is not a member of the process group given")
     return value

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plugins import SAM, VASSO
+from plugins import SAM, VASSO, PartitionGroup
 from plugins.perturbation import rng_state
 
 VARIANTS = {
@@ -118,7 +118,8 @@ def shard(model, mesh, reshard):
 def every_setting():
     """Each member under DDP, FSDP2 (reshard after forward or not, a 2-D mesh where
     the world is even), ZeroRedundancyOptimizer and fairscale's OSS, against one process.
-    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)}."""
+    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)} and,
+    under "local sizes", the sizes of this rank's FSDP2 shards."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -142,6 +143,7 @@ def every_setting():
             opt = build(kind, model.parameters())
             diags = run(opt, model, mine, api)
             out[(f"FSDP2 reshard={reshard}", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+            out["local sizes"] = [p.to_local().shape[0] for p in model.parameters()]
 
         if world % 2 == 0:
             mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -160,7 +162,7 @@ def every_setting():
         from fairscale.optim import OSS
         model = DDP(make_model())
         oss = OSS(model.parameters(), optim=cls, base_optimizer=torch.optim.AdamW,
-                  partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+                  partition_group=PartitionGroup(dist.group.WORLD), rho=0.2, lr=1e-2, **knobs)
         diags = run(oss, model, mine, api, step_model=model, finish=oss.step, explicit_opt=oss.optim)
         out[("OSS", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
     return out
@@ -259,7 +261,7 @@ def host_waits():
 
     _, init_device_mesh = _fsdp()
     world = dist.get_world_size()
-    data = my_slice(batches(world)) * 2
+    data = (my_slice(batches(world)) * 2)[:6]
     out = {}
     for kind in VARIANTS:
         cls, knobs = VARIANTS[kind]
@@ -276,3 +278,240 @@ def host_waits():
             out[("ZeRO", kind, api)] = counted_run(zero, model, data, api, step_model=model, finish=zero.step,
                                                    explicit_opt=zero.optim)[1:]
     return out
+
+
+# ------------------------------------------------------------------ mixed precision
+
+
+class CastForward(torch.nn.Module):
+    """One process computing as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) does: the
+    parameters and the input cast to bf16 for the forward, the gradients back in fp32."""
+
+    def __init__(self, inner, dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, x):
+        cast = {n: p.to(self.dtype) for n, p in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, cast, (x.to(self.dtype),))
+
+
+def bf16_policy():
+    """FSDP2 with MixedPrecisionPolicy(bf16 parameters, fp32 reduction) against one
+    process computing in bf16: {kind: (relative error of the updates, sharpness per step
+    distributed, reference's)}."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    fully_shard, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = batches(world)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for i, kind in enumerate(("SAM", "VASSO", "ASAM", "GSAM")):
+        api = ("closure", "explicit")[i % 2]
+        start = [p.detach().clone() for p in make_model().parameters()]
+        ref_model = make_model()
+        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+        ref_diags = run(ref_opt, CastForward(ref_model, torch.bfloat16), data, api)
+        model = make_model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = build(kind, model.parameters(), torch.optim.SGD)
+        diags = run(opt, model, my_slice(data), api)
+        updates = [w - s for w, s in zip(full(model.parameters()), start)]
+        ref_updates = [w.detach() - s for w, s in zip(ref_model.parameters(), start)]
+        out[kind] = (compare(updates, ref_updates), [d["sharpness"] for d in diags],
+                     [d["sharpness"] for d in ref_diags])
+    return out
+
+
+def fp16_scaler(faults):
+    """FSDP2 under fp16 autocast with a stock torch.amp.GradScaler("cpu"), an overflow
+    injected on rank 0 only at (step, pass) of ``faults``, against one process with the
+    same overflow: {(kind, api): (relative error of the updates, steps taken, scales)},
+    and the reference's under ("reference", kind, api)."""
+    fully_shard, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = batches(world, seed=3) * 2
+    out = {}
+
+    def train(model, opt, data, api, fault_here):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+        taken, scales = [], []
+        for t, (x, y) in enumerate(data):
+            passes = []
+
+            def backward():
+                passes.append(1)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                if fault_here and (t, len(passes)) in faults:
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+                return loss
+            before = opt.nonfinite_steps
+            if api == "closure":
+                def closure():
+                    opt.zero_grad()
+                    return backward()
+                opt.step(closure, scaler=scaler)
+            else:
+                rng = rng_state()
+                opt.zero_grad()
+                backward()
+                if opt.perturb(scaler=scaler):
+                    opt.zero_grad()
+                    with opt.second_pass(model, rng):
+                        backward()
+                scaler.step(opt)
+            scaler.update()
+            taken.append(opt.nonfinite_steps == before)
+            scales.append(scaler.get_scale())
+        return taken, scales
+
+    for kind in ("SAM", "VASSO", "GSAM"):
+        for api in ("closure", "explicit"):
+            start = [p.detach().clone() for p in make_model().parameters()]
+            ref_model = make_model()
+            ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+            ref = train(ref_model, ref_opt, data, api, True)
+            model = shard(make_model(), init_device_mesh("cpu", (world,)), True)
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            got = train(model, opt, my_slice(data), api, dist.get_rank() == 0)
+            updates = [w - s for w, s in zip(full(model.parameters()), start)]
+            ref_updates = [w.detach() - s for w, s in zip(ref_model.parameters(), start)]
+            out[(kind, api)] = (compare(updates, ref_updates),) + got
+            out[("reference", kind, api)] = ref
+    return out
+
+
+# ------------------------------------------------------------------ wrong use
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def refusals():
+    """Each wrong use on 2+ ranks, by name: the error's type and message (None: no error)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        from torch.distributed.tensor import DTensor, Partial
+    except ImportError:
+        from torch.distributed._tensor import DTensor
+        from torch.distributed._tensor.placement_types import _Partial as Partial
+    _, init_device_mesh = _fsdp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = my_slice(batches(world))[0]
+    out = {}
+
+    def one_step(opt, net, **kw):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            return loss
+        return opt.step(closure, **kw)
+
+    # a hand-split model: each rank's optimizer holds another part, no partition_group
+    model = make_model()
+    part = [model[0]] if rank % 2 == 0 else [model[2]]
+    opt = VASSO([p for m in part for p in m.parameters()], torch.optim.SGD, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    out["hand-split"] = _error(lambda: one_step(opt, model))
+    out["hand-split unmoved"] = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+    # ranks training models of their own name a group of one rank: each rank's step is
+    # then its own one-process step, on its own data
+    alone, _ = dist.new_subgroups(1)
+    torch.manual_seed(10 + rank)
+    own = torch.nn.Linear(6, 3)
+    start = [p.detach().clone() for p in own.parameters()]
+    opt = VASSO(own.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, partition_group=alone)
+    one_step(opt, own)
+    # by hand: VASSO's first step is SAM's (d_0 = g_0) over SGD, on this rank's data alone
+    w = [p.clone().requires_grad_() for p in start]
+    g = torch.autograd.grad(F.cross_entropy(F.linear(x, *w), y), w)
+    norm = torch.sqrt(sum((t * t).sum() for t in g))
+    lifted = [(p + 0.05 * t / norm).detach().requires_grad_() for p, t in zip(start, g)]
+    h = torch.autograd.grad(F.cross_entropy(F.linear(x, *lifted), y), lifted)
+    expected = [p - 0.1 * t for p, t in zip(start, h)]
+    out["own models"] = max(float((a - b).abs().max()) for a, b in zip(own.parameters(), expected)) <= 1e-6
+
+    # ZeroRedundancyOptimizer without partition_group
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, base_optimizer=torch.optim.SGD,
+                                   lr=0.1)
+    out["zero without partition_group"] = _error(lambda: one_step(zero, model, model=model))
+
+    # partition_group over DDP replicas (every rank holds every parameter)
+    model = DDP(make_model())
+    opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1, partition_group=dist.group.WORLD)
+    out["replicas with partition_group"] = _error(lambda: one_step(opt, model, model=model))
+
+    # partition_group without the model for the second pass
+    out["partition_group, no model"] = _error(lambda: one_step(opt, model))
+
+    # partition_group with a second pass outside second_pass(model, rng), and the
+    # ecosystem's first_step/second_step (whose loops do that)
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=SAM, base_optimizer=torch.optim.SGD,
+                                   partition_group=dist.group.WORLD, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def outside():
+        zero.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert zero.optim.perturb()
+        zero.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        zero.step()
+    out["second pass outside second_pass"] = _error(outside)
+    out["outside: unmoved"] = all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    out["first_step"] = _error(lambda: zero.optim.first_step())
+
+    # partition_group with DTensors
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = shard(make_model(), mesh, True)
+    out["partition_group with DTensors"] = _error(
+        lambda: SAM(sharded.parameters(), torch.optim.SGD, lr=0.1, partition_group=dist.group.WORLD))
+
+    # a DTensor with a Partial placement
+    weight = torch.nn.Parameter(DTensor.from_local(torch.randn(3, 2), mesh, [Partial()]))
+    weight.grad = DTensor.from_local(torch.randn(3, 2), mesh, [Partial()])
+    opt = SAM([weight], torch.optim.SGD, lr=0.1)
+    out["Partial placement"] = _error(lambda: opt.perturb())
+
+    # ZeRO keeps the keyword in its param_groups (so in its state_dict): a PartitionGroup
+    # pickles there, a loaded one (no live group) is refused when building
+    import pickle
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, base_optimizer=torch.optim.SGD,
+                                   partition_group=PartitionGroup(), lr=0.1)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+    loaded = pickle.loads(pickle.dumps(hyper))[0]["partition_group"]
+    out["PartitionGroup pickles"] = (loaded.ranks == list(range(world)), loaded.group is None)
+    out["loaded PartitionGroup"] = _error(lambda: VASSO(make_model().parameters(), torch.optim.SGD, lr=0.1,
+                                                        partition_group=loaded))
+
+    # not a process group
+    out["partition_group=3"] = _error(lambda: SAM(make_model().parameters(), torch.optim.SGD, lr=0.1,
+                                                  partition_group=3))
+    return out
+
+
+def two_rank_checks():
+    """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
+    wrong use."""
+    return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
+            "refusals": refusals()}

@@ -12,24 +12,57 @@ import torch
 
 from spawn_helpers import run_ranks
 
-pytest.importorskip("torch.distributed.fsdp")
-if not hasattr(torch.distributed.fsdp, "fully_shard"):
-    pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
+FSDP = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(FSDP, "fully_shard"):
+    pytest.skip(f"FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6, this is {torch.__version__}",
+                allow_module_level=True)
 pytest.importorskip("fairscale")
 
-WORLDS = [1, 2, 4]
 
-
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"{n}ranks")
 def results(request):
     return request.param, run_ranks(request.param, "dist_cases:every_setting", timeout=300)
 
 
+def cases(rank):
+    return {k: v for k, v in rank.items() if k != "local sizes"}
+
+
 def test_every_member_gives_the_one_process_step_in_every_setting(results):
     world, ranks = results
+    # uneven shards (5 and 3 rows), and on 4 ranks one rank holds none of them
+    rows = [r["local sizes"] for r in ranks]
+    assert [sum(col) for col in zip(*rows)] == [5, 5, 3, 3]
+    if world == 4:
+        assert rows[3] == [0, 0, 0, 0] and rows[0] == [2, 2, 1, 1]
+    ranks = [cases(r) for r in ranks]
     settings = {s for s, _ in ranks[0]}
     expected = {"DDP", "FSDP2 reshard=True", "FSDP2 reshard=False", "ZeRO", "OSS"} | (
         {"HSDP 2-D"} if world % 2 == 0 else set())
     assert settings == expected
+    assert len(ranks[0]) == len(expected) * 8  # every member in every setting
     worst = {key: max(r[key][0] for r in ranks) for key in ranks[0]}
     assert max(worst.values()) <= 1e-5, {k: v for k, v in worst.items() if v > 1e-5}
+
+
+def _same(a, b):
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def test_the_diagnostics_are_global(results):
+    """sharpness, stability, ascent_norm and loss_gap: the same on every rank, bit for bit,
+    and the one-process values (loss_gap: the mean of the ranks' gaps, as DDP's loss is
+    the mean of theirs; the explicit API leaves it to the host: NaN on both sides)."""
+    world, ranks = results
+    ranks = [cases(r) for r in ranks]
+    for key, (_, diags, ref) in ranks[0].items():
+        for other in ranks[1:]:
+            assert all(_same(a[k], b[k]) for a, b in zip(diags, other[key][1]) for k in a), key
+        for t, (got, want) in enumerate(zip(diags, ref)):
+            for k in want:
+                if math.isnan(want[k]):
+                    assert math.isnan(got[k]), (key, t, k)
+                else:
+                    assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), (key, t, k, got[k], want[k])
+    # the loss gap really is a step's value there: a closure member has one
+    assert any(not math.isnan(step["loss_gap"]) for _, d, _ in ranks[0].values() for step in d)

@@ -1,0 +1,123 @@
+"""Two gloo ranks, one spawn (dist_cases.two_rank_checks): the host waits of a
+distributed step, FSDP2 with mixed precision and with a loss scaler, and wrong use
+refused with an error that says what to pass (issue 24)."""
+
+import pytest
+import torch
+
+from spawn_helpers import run_ranks
+
+FSDP = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(FSDP, "fully_shard") or not hasattr(torch.amp, "GradScaler"):
+    pytest.skip(f"FSDP2 and torch.amp.GradScaler('cpu') need torch >= 2.6, this is {torch.__version__}",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(2, "dist_cases:two_rank_checks", timeout=300)
+
+
+# ------------------------------------------------------------------ host waits
+
+
+def test_at_most_two_host_waits_per_step_on_every_path(ranks):
+    """Counted as tests/core counts syncs, plus the core's blocking collectives (a
+    collective whose result the next read takes is that read's wait): a two-pass step
+    waits twice and a skipped one once under DDP and FSDP2, for every member and both
+    APIs; under ZeRO a two-pass step waits three times on gloo, the third being the
+    owners' parameters reaching the other ranks before the second forward (on NCCL that
+    collective is ordered on the device, the host does not wait: docs/design.md, section 7)."""
+    for rank in ranks:
+        for (setting, kind, api), steps in rank["host_waits"].items():
+            if setting == "ZeRO":  # its first two-pass step builds the exchange (a one-time set-up)
+                first = next(i for i, (_, two_pass, _) in enumerate(steps) if two_pass)
+                steps = steps[first + 1:]
+            assert steps, (setting, kind, api)
+            for waits, two_pass, events in steps:
+                expected = (3 if setting == "ZeRO" else 2) if two_pass else 1
+                assert waits == expected, (setting, kind, api, waits, two_pass, events)
+                if setting != "DDP":  # the decisions' values are global: a collective before each read
+                    assert events.count("collective") >= events.count("read") >= 1, events
+
+
+# ------------------------------------------------------------------ mixed precision
+
+
+def test_fsdp2_with_a_bf16_policy_takes_the_global_norm(ranks):
+    """MixedPrecisionPolicy(bf16 parameters, fp32 reduction) against one process computing
+    in bf16: the same updates and sharpness (rho ||g||) to bf16 rounding on both ranks; a
+    norm over one rank's shard would be ~30% short."""
+    for rank in ranks:
+        for kind, (error, sharpness, reference) in rank["bf16"].items():
+            assert error <= 2e-2, (kind, error)
+            assert sharpness == pytest.approx(reference, rel=2e-2), kind
+    assert ranks[0]["bf16"] == ranks[1]["bf16"]  # the same global values on both
+
+
+def test_fsdp2_with_fp16_autocast_and_a_grad_scaler_skips_an_overflow_on_every_rank(ranks):
+    """An overflow on rank 0 only, in the first pass of step 2 and the second pass of
+    step 5: both ranks skip those steps and back the scale off as one process does."""
+    for rank in ranks:
+        fp16 = rank["fp16"]
+        for kind, api in [k for k in fp16 if k[0] != "reference"]:
+            error, taken, scales = fp16[(kind, api)]
+            ref_taken, ref_scales = fp16[("reference", kind, api)]
+            assert taken == ref_taken and scales == ref_scales, (kind, api)
+            assert [t for t, ok in enumerate(taken) if not ok] == [2, 5], (kind, api)
+            assert error <= 1e-2, (kind, api, error)
+    assert ranks[0]["fp16"] == ranks[1]["fp16"]
+
+
+# ------------------------------------------------------------------ wrong use
+
+
+@pytest.mark.parametrize("case, words", [
+    ("hand-split", "pass partition_group="),
+    ("zero without partition_group", "pass partition_group="),
+    ("replicas with partition_group", "drop partition_group"),
+    ("partition_group, no model", "step(closure, model=model)"),
+    ("partition_group with DTensors", "partition_group must be None for DTensor"),
+    ("Partial placement", "Shard and Replicate placements only"),
+    ("partition_group=3", "partition_group must be a torch.distributed ProcessGroup"),
+    ("loaded PartitionGroup", "holds no process group: pass the live group"),
+    ("second pass outside second_pass", "ran outside second_pass(model, rng)"),
+    ("first_step", "use step(closure, model=model), or perturb(), second_pass(model, rng)"),
+])
+def test_wrong_use_is_refused_with_what_to_pass(ranks, case, words):
+    for rank in ranks:
+        error = rank["refusals"][case]
+        assert error is not None and error[0] in ("ValueError", "RuntimeError") and words in error[1], (case, error)
+    for rank in ranks:  # refused before the weights moved, or put back
+        assert rank["refusals"]["hand-split unmoved"] and rank["refusals"]["outside: unmoved"]
+
+
+def test_ranks_with_models_of_their_own_name_a_group_of_one_rank(ranks):
+    """The way out the hand-split error names: partition_group of this rank alone gives
+    each rank the one-process step of its own model, bit for bit."""
+    assert ranks[0]["refusals"]["own models"] and ranks[1]["refusals"]["own models"]
+
+
+def test_a_partition_group_handle_survives_the_wrappers_state_dict(ranks):
+    """ZeroRedundancyOptimizer copies partition_group into its param_groups; as a
+    PartitionGroup it pickles (as its ranks, no live group)."""
+    for rank in ranks:
+        assert rank["refusals"]["PartitionGroup pickles"] == (True, True)
+
+
+def test_unknown_tensor_types_and_an_uninitialized_group_are_refused():
+    """One process: a tensor subclass other than DTensor, and partition_group without
+    torch.distributed initialized."""
+    from plugins import SAM
+
+    class Tagged(torch.Tensor):
+        pass
+
+    weight = torch.nn.Parameter(torch.randn(3, 2).as_subclass(Tagged))
+    weight.grad = torch.randn(3, 2)
+    opt = SAM([weight], torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="plain tensors and DTensors"):
+        opt.perturb()
+    assert not opt.in_flight
+    with pytest.raises(ValueError, match="partition_group .*not initialized"):
+        SAM(torch.nn.Linear(2, 1).parameters(), torch.optim.SGD, lr=0.1, partition_group=object())
