@@ -18,6 +18,10 @@ patches:
 * ``Trainer.load_checkpoint``: a checkpoint already at ``--max-update`` ends the run
   (exit status 0, one line): stock fairseq would train one more update and save it over
   the finished checkpoint, so the same command run twice changed a finished result.
+* ``AMPOptimizer.state_dict`` / ``load_state_dict`` (inherited from FairseqOptimizer, they
+  read the torch optimizer under ours): with ``sam`` / ``vasso`` they go to ours, which
+  drops a step in flight first (fairseq saves crash.pt after a FloatingPointError) and,
+  under ``--zero-sharding os``, gathers and slices the ranks' parts.
 * ``train_step``: with any other optimizer it calls fairseq's own ``train_step``
   and nothing else.  With ``sam`` / ``vasso`` it runs fairseq's own ``train_step``
   too, with instance-level wrappers that are removed afterwards:
@@ -183,6 +187,8 @@ _stock_init = _stock(Trainer.__init__)
 _stock_train_step = _stock(Trainer.train_step)
 _stock_load_checkpoint = _stock(Trainer.load_checkpoint)
 _stock_parse_args_and_arch = _stock(options.parse_args_and_arch)
+_stock_amp_state_dict = _stock(AMPOptimizer.state_dict)
+_stock_amp_load_state_dict = _stock(AMPOptimizer.load_state_dict)
 
 
 class UnsupportedMode(ValueError):
@@ -228,11 +234,20 @@ def check_config(cfg) -> None:
                              "the ascent needs")
     backend = _setting(cfg, "distributed_training.ddp_backend", "")
     if backend == "fully_sharded":
-        refuse("--ddp-backend fully_sharded", "the ascent needs the full gradient and parameters on each rank")
+        if _setting(cfg, "common.cpu", False) or not torch.cuda.is_available():
+            refuse("--ddp-backend fully_sharded", "fairscale's FullyShardedDataParallel computes on CUDA (fairseq "
+                   "0.12 gives it no CPU device, whatever --cpu-offload says; stock fairseq stops with 'Found no "
+                   "NVIDIA driver'); on a CPU use --zero-sharding os (the optimizer state sharded) or "
+                   "--ddp-backend legacy_ddp")
+        refuse("--ddp-backend fully_sharded", "each rank's optimizer would hold slices of FSDP's flat parameters, "
+               "and the core can sum the ascent norm over them only through partition_group, whose second pass "
+               "sends each rank's parameters to the others, which FSDP already gathers itself; use --zero-sharding "
+               "os (the optimizer state sharded) or --ddp-backend c10d / legacy_ddp")
     if backend == "slowmo":
         refuse("--ddp-backend slowmo", "SlowMo changes the parameters outside the optimizer step")
-    if _setting(cfg, "distributed_training.zero_sharding", "none") not in ("none", None):
-        refuse("--zero-sharding", "the sharded optimizer state would split d_t and the ascent norm")
+    zero = _setting(cfg, "distributed_training.zero_sharding", "none")
+    if zero not in ("none", "os", None):
+        refuse(f"--zero-sharding {zero}", "not a mode of fairseq 0.12 (none, os)")
     if _setting(cfg, "common.bf16", False) or _setting(cfg, "common.memory_efficient_bf16", False):
         refuse("--bf16", "fairseq 0.12 runs bf16 (and --memory-efficient-bf16) on TPUs only (it implies --tpu), "
                          "which is not tested here; use --amp or --fp16 on GPUs")
@@ -253,14 +268,31 @@ def check_config(cfg) -> None:
 # ------------------------------------------------------------------ the command line
 
 
-def _requested_optimizer(args):
-    name = None
-    for i, a in enumerate(args):
-        if a == "--optimizer" and i + 1 < len(args):
-            name = args[i + 1]
-        elif a.startswith("--optimizer="):
-            name = a.split("=", 1)[1]
-    return name
+class _PeekError(Exception):
+    pass
+
+
+class _Peek(argparse.ArgumentParser):
+    """Reads ``--optimizer`` and ``-h/--help`` the way fairseq's own parser will (argparse:
+    ``--optimizer=X``, the last one wins, nothing after ``--``, no abbreviations), and never
+    prints or exits: fairseq's parse reports whatever argparse cannot read."""
+
+    def error(self, message):
+        raise _PeekError(message)
+
+
+def _requested_optimizer(argv):
+    """``(--optimizer, help asked)`` in ``argv``; ``(None, False)`` when argparse cannot read it
+    (fairseq's own parse then fails exactly as without the plugin).  fairseq's helpers pass
+    ``None`` items (an unset ``--save-dir``), which argparse reads as positionals."""
+    peek = _Peek(add_help=False, allow_abbrev=False)
+    peek.add_argument("--optimizer")
+    peek.add_argument("-h", "--help", action="store_true")
+    try:
+        known, _ = peek.parse_known_args(argv)
+    except Exception:  # _PeekError, or argparse's TypeError on a non-string item
+        return None, False
+    return known.optimizer, known.help
 
 
 def _misplaced_flag(argv, requested):
@@ -271,6 +303,8 @@ def _misplaced_flag(argv, requested):
         return None
     flags = {name: {flag(f.name) for f in dataclasses.fields(config)} for name, config in CONFIGS.items()}
     for arg in argv:
+        if not isinstance(arg, str):  # fairseq's helpers pass None items: fairseq's parse reads them
+            continue
         given = arg.split("=", 1)[0]
         owners = [name for name in CONFIGS if given in flags[name]]
         if owners and requested not in owners:
@@ -281,12 +315,14 @@ def _misplaced_flag(argv, requested):
 
 @functools.wraps(_stock_parse_args_and_arch)
 def _patched_parse_args_and_arch(parser, input_args=None, *args, **kwargs):
-    argv = list(sys.argv[1:] if input_args is None else input_args)
-    requested = _requested_optimizer(argv)
+    argv = sys.argv[1:] if input_args is None else list(input_args)
+    if input_args is not None and iter(input_args) is input_args:
+        input_args = iter(argv)  # an iterator, spent by list(): fairseq gets an equal one
+    requested, wants_help = _requested_optimizer(argv)
     misplaced = _misplaced_flag(argv, requested)
     if misplaced is not None:  # one line, as the DomainBed side names another algorithm's hparam
         parser.exit(2, f"{parser.prog}: error: {misplaced}\n")
-    if requested in CONFIGS and {"-h", "--help"} & set(argv):
+    if requested in CONFIGS and wants_help:
         # fairseq prints --help before any optimizer added its flags: add ours first
         from fairseq.dataclass.utils import gen_parser_from_dataclass
 
@@ -452,21 +488,19 @@ def _two_pass_train_step(trainer, sa, samples, raise_oom):
     step._fairseq_vasso_stock = stock_step
     patches = [(task, "train_step", recording_task_step), (opt, "multiply_grads", multiply_then_second_pass),
                (opt, "step", step)]
-    if amp is not None:
-        # AMPOptimizer.state_dict reads the core directly; fairseq saves crash.pt after a
-        # FloatingPointError (minimum loss scale), possibly mid-step: ours drops the step first
-        patches.append((opt, "state_dict", sa.state_dict))
     try:
         with _instance_patches(patches):
             out = _stock_train_step(trainer, samples, raise_oom)
     finally:
         if sa.in_flight:
             # the update was skipped (fp16 overflow) or failed: back to x_t (the core may
-            # have done so already; abandon() is idempotent), also in the fp16 model
+            # have done so already; abandon() is idempotent)
             sa.abandon()
-            masters = _fp32_masters(trainer)
-            if masters is not None:
-                masters._sync_fp32_params_to_fp16()
+        masters = _fp32_masters(trainer)
+        if masters is not None and not ctx.step_taken:
+            # also in the fp16 model (the core restored the masters, or dropped the step on an
+            # exception in the second pass); a step taken synced them itself
+            masters._sync_fp32_params_to_fp16()
     if ctx.step_taken:
         # the aggregation context of fairseq's own train_step stats (decorated with
         # metrics.aggregate("train")), plus whatever the caller has active ("train_inner")
@@ -502,13 +536,14 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
         if not sa.perturb():
             return  # one-pass update (eSAM/eVASSO coin): .grad holds g_t
     masters = _fp32_masters(trainer)
-    if masters is not None:  # the fp32 masters moved: the fp16 model runs the second pass
-        masters._sync_fp32_params_to_fp16()
     trainer.zero_grad()
     second_losses = []
     n = len(ctx.calls)
-    # the core's protocol: RNG of the first pass replayed, BatchNorm frozen, abandon() on an exception
-    with sa.second_pass(trainer.model, ctx.rng):
+    # the core's protocol: RNG of the first pass replayed, BatchNorm frozen, abandon() on an exception;
+    # --zero-sharding os: the owners' parameters at x_t + eps_t reach every rank first
+    with sa.second_pass(_second_pass_model(trainer, sa), ctx.rng):
+        if masters is not None:  # the fp32 masters moved (all of them, now): the fp16 model runs the second pass
+            masters._sync_fp32_params_to_fp16()
         for i, (args, kwargs) in enumerate(ctx.calls):
             with _maybe_no_sync(trainer, i, n):
                 loss, _, logging_output = stock_task_step(*args, **kwargs)
@@ -519,6 +554,21 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
         trainer.optimizer.all_reduce_grads(trainer.criterion)
     stock_multiply(c)
     ctx.loss_gap = _loss_gap(trainer, ctx.first_losses, second_losses, c)
+
+
+def _second_pass_model(trainer, sa):
+    """The model whose BatchNorm layers the second pass freezes; sharded (``--zero-sharding
+    os``), also every parameter the optimizers hold, in the same order on every rank: the
+    criterion's (fairseq's Trainer optimizes both), and under ``--fp16`` the fp32 masters."""
+    if not sa.sharded:
+        return trainer.model
+    parts = [trainer.model]
+    masters = _fp32_masters(trainer)
+    if masters is not None:  # the cores hold the fp32 masters, which the model does not
+        parts.append(torch.nn.ParameterList(masters.fp32_params))
+    elif utils.has_parameters(trainer.criterion):
+        parts.append(trainer.criterion)
+    return parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
 
 
 def _loss_gap(trainer, first, second, c):
@@ -562,7 +612,25 @@ def _log_diagnostics(sa, ctx):
         ok = two_pass > 0 and _finite_on_host(value)
         metrics.log_scalar(key, value if ok else float("nan"), weight=1 if ok else 0, priority=810 + i, round=5)
     metrics.log_scalar("two_pass", two_pass, weight=1, priority=815, round=3)
-    metrics.log_scalar("rho", float(raw.get("rho", sa.optimizer.rho)), weight=1, priority=816, round=5)
+    metrics.log_scalar("rho", float(raw.get("rho", sa.core.rho)), weight=1, priority=816, round=5)
+
+
+@functools.wraps(_stock_amp_state_dict)
+def _patched_amp_state_dict(self):
+    # AMPOptimizer inherits FairseqOptimizer's, which reads the torch optimizer under ours: the
+    # core, or under --zero-sharding os fairscale's OSS, whose state dict ours gathers itself
+    inner = getattr(self, "fp32_optimizer", None)
+    if isinstance(inner, FairseqSharpnessAware):
+        return inner.state_dict()
+    return _stock_amp_state_dict(self)
+
+
+@functools.wraps(_stock_amp_load_state_dict)
+def _patched_amp_load_state_dict(self, state_dict, optimizer_overrides=None):
+    inner = getattr(self, "fp32_optimizer", None)
+    if isinstance(inner, FairseqSharpnessAware):
+        return inner.load_state_dict(state_dict, optimizer_overrides)
+    return _stock_amp_load_state_dict(self, state_dict, optimizer_overrides)
 
 
 # ------------------------------------------------------------------ installing
@@ -573,6 +641,8 @@ PATCHES = (
     (Trainer, "__init__", _patched_init),
     (Trainer, "train_step", _patched_train_step),
     (Trainer, "load_checkpoint", _patched_load_checkpoint),
+    (AMPOptimizer, "state_dict", _patched_amp_state_dict),
+    (AMPOptimizer, "load_state_dict", _patched_amp_load_state_dict),
 )
 
 

@@ -28,6 +28,7 @@ import torch
 from omegaconf import II, OmegaConf
 
 from plugins import SAM, VASSO
+from plugins.optimizer import SharpnessAware
 from plugins.validation import Range, check
 
 __all__ = [
@@ -169,8 +170,11 @@ class FairseqSharpnessAware(FairseqOptimizer):
         # copy, bit for bit (the plain-geometry restore subtracts the ascent again, exact only
         # up to one rounding).  fp16 params (--memory-efficient-fp16): the core always does.
         exact = bool(_get(cfg, "fp16", False)) or bool(_get(cfg, "amp", False))
-        self._optimizer = self.core_class(params, _FairseqAdam, seed=int(self.cfg.seed), lr_max=lr if lr > 0 else None,
-                                          exact_restore=exact, **knobs, **self.optimizer_config)
+        settings = dict(base_optimizer=_FairseqAdam, seed=int(self.cfg.seed), lr_max=lr if lr > 0 else None,
+                        exact_restore=exact, **knobs)
+        # its class, with these settings bound, is what --zero-sharding os builds per rank (_partition_class)
+        self._optimizer = _partition_class(self.core_class, settings)(params, partition_group=None,
+                                                                      **self.optimizer_config)
         self._optimizer.disable_mem_eff_fp16_loading_hack = True  # see _keep_fp32_moments
         self.last_step_taken = False
         self.last_diagnostics = {}
@@ -188,32 +192,49 @@ class FairseqSharpnessAware(FairseqOptimizer):
             "weight_decay": self.cfg.weight_decay,
         }
 
+    # -------------------------------------------------------------- the core, whole or sharded
+
+    @property
+    def core(self) -> SharpnessAware:
+        """The core optimizer: ours, or under ``--zero-sharding os`` the one over this rank's
+        partition that fairscale's OSS (then ``self.optimizer``) built and holds."""
+        inner = getattr(self._optimizer, "optim", None)
+        return inner if isinstance(inner, SharpnessAware) else self._optimizer
+
+    @property
+    def sharded(self) -> bool:
+        """``--zero-sharding os``: fairseq replaced the core by fairscale's OSS over per-rank cores."""
+        return self.core is not self._optimizer
+
     # -------------------------------------------------------------- the two halves
 
     @property
     def in_flight(self) -> bool:
         """The core's: between ``perturb()`` and ``step()`` / ``abandon()``."""
-        return self._optimizer.in_flight
+        return self.core.in_flight
 
     def perturb(self, scaler=None) -> bool:
         """Ascent from g_t in ``.grad`` (see ``plugins.SharpnessAware.perturb``); under
         ``--amp`` ``scaler`` is AMPOptimizer's GradScaler and g_t is scaled by it."""
         self.last_step_taken = False
+        if self.sharded:  # the lr (and rho) fairseq's scheduler set on OSS's groups, as OSS.step() copies them
+            type(self._optimizer)._sync_param_groups(self._optimizer.param_groups, self.core.param_groups)
         if scaler is None:
-            return self._optimizer.perturb()
-        return self._optimizer.perturb(scaler=scaler)
+            return self.core.perturb()
+        return self.core.perturb(scaler=scaler)
 
     def second_pass(self, model, rng):
-        """The core's second-pass protocol (``plugins.SharpnessAware.second_pass``)."""
-        return self._optimizer.second_pass(model, rng)
+        """The core's second-pass protocol (``plugins.SharpnessAware.second_pass``); sharded,
+        the owners' parameters at x_t + eps_t reach every rank as it starts."""
+        return self.core.second_pass(model, rng)
 
     def restore(self) -> None:
         """Put x_t back (idempotent)."""
-        self._optimizer.restore()
+        self.core.restore()
 
     def abandon(self) -> None:
         """Restore x_t and drop the step in flight (the host skipped the update); idempotent."""
-        self._optimizer.abandon()
+        self.core.abandon()
 
     def step(self, closure=None, scale=1.0, groups=None):
         """Restore x_t and let the base Adam step with the gradient in ``.grad``."""
@@ -226,39 +247,66 @@ class FairseqSharpnessAware(FairseqOptimizer):
                 "fairseq's Trainer.train_step with the fairseq_vasso user-dir imported (--user-dir)")
         if scale != 1.0:
             self.multiply_grads(1.0 / scale)
-        self.last_step_taken = self._optimizer.descend()
-        self.last_diagnostics = self._optimizer.diagnostics  # read when fairseq logs
+        if self.sharded:  # OSS.step(): the core's descend on this rank's partition, then the ranks' broadcast
+            self.last_step_taken = bool(self._optimizer.step())
+        else:
+            self.last_step_taken = self.core.descend()
+        self.last_diagnostics = self.core.diagnostics  # read when fairseq logs
 
     def scaler_step(self, scaler) -> None:
         """``--amp``: finish the step through ``scaler.step(core)``: the scaler hands the
         core its overflow verdict (and the scale, unless ``scaler.unscale_(core)`` already
         ran), so h_t is unscaled exactly once; an overflow skips the base step at x_t."""
-        self.last_step_taken = bool(scaler.step(self._optimizer))
-        self.last_diagnostics = self._optimizer.diagnostics
+        if self.sharded:
+            # through OSS (its broadcast follows the step): GradScaler.step(OSS) takes the verdict of
+            # the unscale_(OSS) in fairseq's clip_grad_norm and, without an overflow, calls OSS.step(),
+            # whose core.step() finishes the step perturb(scaler=...) began with h_t unscaled once
+            core = self.core
+            core.found_inf, core.grad_scale = torch.zeros((), device=_device(core)), None
+            try:
+                self.last_step_taken = bool(scaler.step(self._optimizer))
+            finally:
+                core.__dict__.pop("found_inf", None)
+                core.__dict__.pop("grad_scale", None)
+                if core.in_flight:  # an overflow: the scaler skipped OSS.step(); x_t back, the step dropped
+                    core.abandon()
+        else:
+            self.last_step_taken = bool(scaler.step(self.core))
+        self.last_diagnostics = self.core.diagnostics
 
     # -------------------------------------------------------------- state
 
     def state_dict(self):
+        """The core's state dict; sharded (``--zero-sharding os``), the same dict over all the
+        parameters, from the ranks' parts that fairseq gathered (``consolidate_state_dict``)
+        before it saves: checkpoints of both modes load in either."""
         # fairseq saves crash.pt after a FloatingPointError, possibly mid-step: drop the step first.
         self.abandon()
-        return self._optimizer.state_dict()
+        if self.sharded:
+            return _consolidated(self._optimizer)
+        return self.core.state_dict()
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         self.abandon()
         # FP16Optimizer adds "loss_scale" beside our entries; the core does not want it
-        own = {k: v for k, v in state_dict.items() if k in ("state", "param_groups", "sharpness", "base_optimizer")}
-        self._optimizer.load_state_dict(own)  # today's format, or the earlier one ("base_optimizer")
-        self._keep_fp32_moments(self._optimizer.base_optimizer_state(own))
+        own = self.core.upgrade_state_dict(
+            {k: v for k, v in state_dict.items() if k in ("state", "param_groups", "sharpness", "base_optimizer")})
+        if self.sharded:
+            own = _partition_of(own, self._optimizer)
+        self.core.load_state_dict(own)
+        self._keep_fp32_moments(self.core.base_optimizer_state(own))
         if optimizer_overrides is not None and len(optimizer_overrides) > 0:
-            for group in self.param_groups:
+            for group in self.core.param_groups:
                 group.update(optimizer_overrides)
+        if self.sharded:  # OSS's own groups (those fairseq's scheduler and logs read) from the loaded ones
+            type(self._optimizer)._sync_param_groups(self.core.param_groups, self._optimizer.param_groups)
 
     def _keep_fp32_moments(self, saved_state):
         """--memory-efficient-fp16: torch's ``load_state_dict`` casts the Adam moments to the
         fp16 params' dtype; fairseq's Adam keeps them in fp32 (MemoryEfficientFP16Optimizer's
         own fix-up expects a plain torch state dict, so ``disable_mem_eff_fp16_loading_hack``
         turns it off for ours and this does the same job)."""
-        base = self._optimizer.base_optimizer
+        base = self.core.base_optimizer
         params = [p for group in base.param_groups for p in group["params"]]
         for index, buffers in saved_state.items():
             p = params[int(index)]
@@ -285,6 +333,76 @@ class FairseqSharpnessAware(FairseqOptimizer):
     @property
     def supports_groups(self):
         return False
+
+
+def _device(optimizer):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return params[0].device if params else torch.device("cpu")
+
+
+def _partition_class(core_class, settings):
+    """``core_class`` with ``settings`` (base optimizer, seed, knobs) bound.  fairseq's
+    ``--zero-sharding os`` replaces an optimizer by fairscale's OSS, which builds one of its
+    class over each rank's partition of the parameters as ``type(optimizer)(partition,
+    **optimizer_config)`` (``fairseq.optim.shard``); built that way, the core sums its norms
+    over fairseq's data-parallel group (the ranks OSS shards over: ``partition_group``)."""
+
+    def __init__(self, params, partition_group=_DATA_PARALLEL_GROUP, **base_overrides):
+        if partition_group is _DATA_PARALLEL_GROUP:
+            from fairseq.distributed import utils as distributed_utils
+
+            partition_group = distributed_utils.get_data_parallel_group()
+        core_class.__init__(self, params, partition_group=partition_group, **settings, **base_overrides)
+
+    return type(core_class.__name__, (core_class,), {"__init__": __init__, "__module__": core_class.__module__,
+                                                     "__qualname__": core_class.__qualname__})
+
+
+_DATA_PARALLEL_GROUP = object()
+
+
+def _global_index(oss):
+    """``id(parameter) -> index`` in the order of OSS's (all the parameters') groups."""
+    return {id(p): i for i, p in enumerate(p for group in oss.param_groups for p in group["params"])}
+
+
+def _partition(oss, rank):
+    """Rank ``rank``'s parameters in its core's order (its groups, each in OSS's order)."""
+    return [p for group in oss.partition_parameters()[rank] for p in group["params"]]
+
+
+def _consolidated(oss) -> dict:
+    """The core's state dict over all the parameters, from each rank's core's state dict
+    (OSS.consolidate_state_dict keeps them, in rank order, where fairseq saves)."""
+    parts = oss._all_states
+    if not parts:
+        raise RuntimeError("--zero-sharding os: the optimizer state was not gathered; fairseq's Trainer calls "
+                           "consolidate_optimizer() on every rank before it saves")
+    index = _global_index(oss)
+    state = {}
+    for rank, part in enumerate(parts):
+        local = _partition(oss, rank)
+        for i, entry in part["state"].items():  # Adam's moments beside d_t and the counters
+            if isinstance(i, int):
+                state[index[id(local[i])]] = entry
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]}
+              for group in oss.param_groups]
+    # the step counter, the coin's seed and the last ascent's norms are global: equal on every rank
+    return {"state": dict(sorted(state.items())), "param_groups": groups, "sharpness": parts[0]["sharpness"]}
+
+
+def _partition_of(state_dict, oss) -> dict:
+    """This rank's part of a state dict over all the parameters (:func:`_consolidated`'s
+    form, or an unsharded run's), indexed as this rank's core numbers its parameters."""
+    index = _global_index(oss)
+    local = {index[id(p)]: i for i, p in enumerate(_partition(oss, oss.rank))}
+    return {
+        "state": {local[int(i)]: v for i, v in state_dict["state"].items() if int(i) in local},
+        "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+                          "params": [local[int(i)] for i in group["params"] if int(i) in local]}
+                         for group in state_dict["param_groups"]],
+        "sharpness": state_dict["sharpness"],
+    }
 
 
 @register_optimizer("sam", dataclass=FairseqSAMConfig)

@@ -1017,6 +1017,14 @@ class SharpnessAware(torch.optim.Optimizer):
         self._lists = None
 
     @staticmethod
+    def upgrade_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """A state dict of this class in today's shape: one of the earlier format
+        (``{"base_optimizer", "state", "sharpness"}``, saved before this release) converted,
+        today's returned as it is (for hosts that re-index entries, as fairseq's
+        ``--zero-sharding os`` does)."""
+        return _from_wrapped_format(state_dict) if "base_optimizer" in state_dict else state_dict
+
+    @staticmethod
     def base_optimizer_state(state_dict: Dict[str, Any]) -> Dict[Any, Dict[str, Any]]:
         """The base optimizer's per-parameter state (``exp_avg``, ...) in a state dict of
         this class, of today's format or the earlier one, keyed as there."""

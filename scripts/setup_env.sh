@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment, idempotently.
-#   bash scripts/setup_env.sh                    -> .venv with torch, torchvision, fairseq, this package
+#   bash scripts/setup_env.sh                    -> .venv with torch, torchvision, fairseq, fairscale, this package
 #   bash scripts/setup_env.sh --with-domainbed   -> the same, plus DomainBed at the tested commit,
 #                                                   importable in .venv (scripts/install_domainbed.sh)
 #   bash scripts/setup_env.sh --with-domainbed=/path/to/DomainBed[@COMMIT]   (a checkout or tarball)
@@ -53,9 +53,25 @@ else
         stage "building fairseq-fixed 0.12.3.1 against this torch (about 3 minutes on 2 idle cores)"
         pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
     fi
-    stage "installing this package with its fairseq, domainbed, test and slurm extras"
-    pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm]"
+    stage "installing this package with its fairseq, domainbed, test, slurm and sharding extras"
+    pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm,sharding]"
     echo "$stamp" > "$stamp_file"
+fi
+# fairseq's own tests (tests/fairseq/test_fairseq_own_suite.py runs them stock beside plugin-loaded):
+# the tests/ of fairseq-fixed 0.12.3.1's sdist, the only copy on the package index (it lacks
+# fairseq's tests/utils.py, so the tests that import it skip; FAIRSEQ_TESTS names a full checkout)
+fairseq_tests="$VENV/fairseq-fixed-0.12.3.1-tests"
+if [ ! -f "$fairseq_tests/test_train.py" ]; then
+    stage "unpacking fairseq-fixed 0.12.3.1's own tests (its sdist's tests/) into $fairseq_tests"
+    sdist_dir=$(mktemp -d "${TMPDIR:-/tmp}/fairseq-sdist.XXXXXX")
+    if "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: --no-build-isolation \
+            fairseq-fixed==0.12.3.1 -d "$sdist_dir" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2) \
+        && tar xzf "$sdist_dir"/fairseq_fixed-0.12.3.1.tar.gz -C "$sdist_dir" fairseq_fixed-0.12.3.1/tests; then
+        rm -rf "$fairseq_tests" && mv "$sdist_dir"/fairseq_fixed-0.12.3.1/tests "$fairseq_tests"
+    else
+        echo "setup_env.sh: could not fetch fairseq-fixed 0.12.3.1's sdist: fairseq's own tests will skip" >&2
+    fi
+    rm -rf "$sdist_dir"
 fi
 if [ "$WITH_DOMAINBED" = 1 ]; then
     stage "installing DomainBed"

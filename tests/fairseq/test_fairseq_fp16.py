@@ -411,7 +411,7 @@ def test_fp32_nonfinite_raises_floating_point_error(toy_data, tmp_path, fs, whic
     (["--memory-efficient-bf16"], "--bf16"),
     (["--use-bmuf"], "--use-bmuf"),
     (["--ddp-backend", "slowmo"], "slowmo"),
-    (["--zero-sharding", "os"], "--zero-sharding"),
+    (["--ddp-backend", "fully_sharded"], "--ddp-backend fully_sharded"),
 ])
 def test_unsupported_modes_are_refused(toy_data, tmp_path, fs, flags, named, capsys):
     """Refused while the command line is parsed (fairseq_vasso.hooks): exit status 2 and

@@ -41,3 +41,55 @@ def test_missing_fairseq_internal_fails_in_one_line(internal):
     lib = subprocess.run([sys.executable, "-c", prelude + "import fairseq_vasso.hooks"],
                          capture_output=True, text=True, timeout=120)
     assert lib.returncode == 1 and "FairseqVersionError: fairseq_vasso needs" in lib.stderr, lib.stderr
+
+
+# ------------------------------------------------------------------ the command line as fairseq reads it
+
+_BASE = ["/nonexistent-data", "--task", "translation", "--arch", "transformer", "--source-lang", "de",
+         "--target-lang", "en"]
+
+
+def _parse(argv, **kwargs):
+    """What fairseq's parse_args_and_arch makes of ``argv``: the parsed values, or the exception."""
+    from fairseq import options
+
+    parser = options.get_training_parser()
+    try:
+        out = options.parse_args_and_arch(parser, argv() if callable(argv) else argv, **kwargs)
+    except SystemExit as exc:
+        return ("exit", exc.code)
+    except Exception as exc:  # the same exception with and without the plugin
+        return (type(exc).__name__, str(exc))
+    ns = out[0] if isinstance(out, tuple) else out
+    return ("parsed", ns.optimizer, getattr(ns, "rho", None), getattr(ns, "save_dir", None), getattr(ns, "max_epoch", None))
+
+
+@pytest.mark.parametrize("argv", [
+    # fairseq's own test helpers pass None for an unset value (tests/test_valid_subset_checks.py)
+    _BASE + ["--optimizer", "adam", "--save-dir", None],
+    _BASE + ["--optimizer", "vasso", "--save-dir", None],
+    _BASE + ["--optimizer", "vasso", "--max-epoch", 1],  # argparse's TypeError, with and without
+    _BASE + ["--optimizer=vasso", "--rho=0.2"],
+    tuple(_BASE + ["--optimizer", "sam"]),
+    lambda: iter(_BASE + ["--optimizer", "vasso"]),  # fairseq reads its input twice: stock fails
+    _BASE + ["--optimizer", "vasso", "--optimizer", "adam"],  # the last one wins
+    _BASE + ["--optimizer", "adam", "--", "--optimizer", "vasso"],
+    _BASE + ["--optimizer"],
+], ids=["None-adam", "None-vasso", "int", "equals", "tuple", "iterator", "twice", "after--", "no-value"])
+def test_the_plugin_parses_what_stock_fairseq_parses(argv, capsys):
+    from fairseq_vasso.hooks import stock_fairseq
+
+    with stock_fairseq():
+        stock = _parse(argv)
+    assert _parse(argv) == stock
+    assert stock[0] != "parsed" or stock[1] in ("adam", "sam", "vasso")
+
+
+def test_equals_forms_are_checked_and_helped(capsys):
+    assert _parse(_BASE + ["--optimizer=vasso", "--rho=-1"]) == ("exit", 2)
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: --rho must be in [0, inf), got -1.0")
+    assert _parse(_BASE + ["--optimizer=vasso", "--help"]) == ("exit", 0)
+    assert "--theta" in capsys.readouterr().out
+    # parse_known and suppress_defaults (fairseq's own keywords) reach the same check
+    assert _parse(_BASE + ["--optimizer", "sam", "--rho", "-1"], parse_known=True) == ("exit", 2)
+    assert _parse(_BASE + ["--optimizer", "sam", "--rho", "0.2"], suppress_defaults=True)[:3] == ("parsed", "sam", 0.2)

@@ -1,0 +1,321 @@
+"""fairseq's sharding modes with ``--optimizer sam|vasso``, on 2 gloo ranks on CPU.
+
+``--zero-sharding os`` (fairscale's OSS: each rank's optimizer holds only its partition
+of the parameters, d_t beside Adam's moments) gives the ``--ddp-backend legacy_ddp``
+run's losses, diagnostics and final weights, to float rounding: sam and vasso, fp32 with
+``--update-freq 2 --clip-norm``, and ``--amp``, ``--fp16 --fp16-no-flatten-grads`` and
+``--memory-efficient-fp16`` with real overflows; it saves what legacy_ddp saves (fairseq
+gathers the ranks' parts) and a resumed run continues as legacy_ddp's does.
+
+``--ddp-backend fully_sharded`` (fairscale's FSDP) computes on CUDA whatever the flags:
+on a CPU it is refused with the reason and the alternatives.
+
+All 2-rank runs of the module start at once (one fixture) and are compared afterwards."""
+
+import pytest
+
+try:
+    import fairseq  # noqa: F401
+except ImportError as exc:  # not installed, or broken against this torch
+    pytest.skip(f"fairseq is not importable ({exc}); pip install --no-build-isolation fairseq-fixed==0.12.3.1",
+                allow_module_level=True)
+try:
+    import fairscale  # noqa: F401
+except ImportError as exc:
+    pytest.skip(f"fairscale is not importable ({exc}): fairseq's sharding modes need it; "
+                "pip install 'vasso-plugins[sharding]' (fairscale==0.4.13)", allow_module_level=True)
+
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+DRIVER = textwrap.dedent('''
+    import os, sys
+    import torch
+    if os.environ.get("FSV_CPU_HALF"):  # --amp / --fp16 on a CPU: the device checks the in-process tests patch
+        from tests.fairseq.conftest import cpu_half_precision_patches
+
+        for owner, name, value in cpu_half_precision_patches():
+            setattr(owner, name, value)
+    import fairseq_vasso  # noqa: F401  (the hooks, as --user-dir would install them)
+    from fairseq.trainer import Trainer
+
+    stock = Trainer.train_step
+    log = []
+
+    def train_step(self, samples, raise_oom=False):
+        out = stock(self, samples, raise_oom)
+        sa = getattr(self.optimizer, "fp32_optimizer", None) or getattr(self.optimizer, "wrapped_optimizer",
+                                                                         self.optimizer)
+        core = sa.core
+        held = [p for g in core.param_groups for p in g["params"]]
+        scaler = getattr(self.optimizer, "scaler", None)
+        scale = scaler.get_scale() if hasattr(scaler, "get_scale") else getattr(scaler, "loss_scale", None)
+        log.append({"num_updates": self.get_num_updates(), "sharded": sa.sharded, "loss_scale": scale,
+                    "held": len(held), "all": sum(1 for p in self.model.parameters() if p.requires_grad),
+                    "slopes": sum(1 for p in held if "slope" in core.state.get(p, {})),
+                    "moments": sum(1 for p in held if "exp_avg" in core.base_optimizer.state.get(p, {})),
+                    **{k: float(v) for k, v in dict(sa.last_diagnostics).items()}})
+        model = {k: v.detach().clone() for k, v in self.get_model().state_dict().items()}
+        torch.save({"model": model, "log": log}, os.environ["FSV_DUMP"])
+        return out
+
+    Trainer.train_step = train_step
+    from fairseq_cli.train import cli_main
+    sys.argv = ["fairseq-train"] + sys.argv[1:]
+    cli_main()
+''')
+
+
+_PORTS = iter(random.Random(os.getpid()).sample(range(20000, 32000), 2000))
+
+
+def _free_port():
+    """A free port below Linux's ephemeral range (32768-60999): gloo's own connections take
+    ephemeral ports, which would otherwise clash with a run of this module that starts later."""
+    for port in _PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
+def _argv(fs, data, save_dir, optimizer, max_update, extra):
+    return fs.model_args(data, save_dir, optimizer=optimizer, max_update=max_update, extra=[
+        "--rho", "0.5", "--train-subset", "valid", "--disable-validation", "--dropout", "0.1",
+        "--max-tokens", "4000", "--batch-size", "10", "--required-batch-size-multiple", "1",
+        "--distributed-backend", "gloo", "--distributed-world-size", "2", "--distributed-no-spawn",
+        *extra])
+
+
+class _Run:
+    """One fairseq-train on 2 ranks (2 processes, each in its own session)."""
+
+    def __init__(self, fs, data, root, name, optimizer, max_update, extra, driver, half=False):
+        self.dir = root / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        self.procs = []
+        for rank in range(2):
+            argv = _argv(fs, data, self.dir / "ckpt", optimizer, max_update, extra) + [
+                "--distributed-rank", str(rank), "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "FSV_DUMP": str(self.dir / f"rank{rank}.pt"),
+                   **({"FSV_CPU_HALF": "1"} if half else {}),
+                   "PYTHONPATH": os.pathsep.join([str(fs.REPO), os.environ.get("PYTHONPATH", "")])}
+            self.procs.append(subprocess.Popen([sys.executable, str(driver), *argv], cwd=str(fs.REPO), env=env,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                               start_new_session=True))
+
+    def wait(self, timeout=400):
+        self.out = []
+        try:
+            for p in self.procs:
+                self.out.append(p.communicate(timeout=timeout)[0])
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        # read now: a resumed run in the same folder writes them again
+        self.dumps = [torch.load(self.dir / f"rank{r}.pt", weights_only=True) if (self.dir / f"rank{r}.pt").exists()
+                      else None for r in range(2)]
+        return self
+
+    def rank(self, r):
+        # fairseq-train sometimes aborts at exit after finishing (rc 134): judge by the log and the dump
+        assert "done training" in self.out[0] and self.dumps[r] is not None, self.out[0][-3000:] + self.out[1][-2000:]
+        return self.dumps[r]
+
+    def inner(self):
+        """The train_inner JSON lines rank 0 logged."""
+        import json
+        import re
+
+        # "... | INFO | train_inner | {...}" or, when something configured logging first, "INFO:train_inner:{...}"
+        found = (re.search(r"train_inner(?: \| |:)(\{.*\})\s*$", line) for line in self.out[0].splitlines())
+        return [json.loads(m.group(1)) for m in found if m]
+
+
+VASSO = ["--update-freq", "2", "--clip-norm", "0.5", "--theta", "0.4", "--load-checkpoint-on-all-dp-ranks"]
+OVERFLOWS = ["--fp16-init-scale", "65536"]  # overflows for real (conftest's CPU patches)
+CASES = {
+    # name: (optimizer, extra flags); each as legacy_ddp and with --zero-sharding os, 3 updates.
+    # fp32: vasso with --update-freq 2 --clip-norm, saving checkpoint_last.pt, resumed below to 6
+    "vasso": ("vasso", VASSO),
+    # the loss-scaled modes that stock adam runs with --zero-sharding os (fairseq refuses
+    # flattened --fp16 with it), from a loss scale that overflows
+    "amp": ("sam", ["--amp", *OVERFLOWS]),
+    "fp16": ("vasso", ["--fp16", "--fp16-no-flatten-grads", *OVERFLOWS]),
+    "mefp16": ("vasso", ["--memory-efficient-fp16", *OVERFLOWS]),
+}
+HALF = ("amp", "fp16", "mefp16")
+# Every rank reads the checkpoint (--load-checkpoint-on-all-dp-ranks): fairseq 0.12 otherwise
+# broadcasts rank 0's copy with torch.save/torch.load, whose weights_only default (torch >= 2.6)
+# refuses the omegaconf config inside on the other ranks, whatever the optimizer.
+
+
+@pytest.fixture(scope="module")
+def runs(toy_data, tmp_path_factory):
+    from tests.fairseq.conftest import REPO, model_args
+
+    class FS:
+        pass
+
+    fs = FS()
+    fs.REPO, fs.model_args = REPO, model_args
+    root = tmp_path_factory.mktemp("sharding")
+    driver = root / "driver.py"
+    driver.write_text(DRIVER)
+
+    def start(name, backend, max_update):
+        opt, extra = CASES[name]
+        extra = ["--ddp-backend", "legacy_ddp", *extra, *(["--zero-sharding", "os"] if backend == "os" else [])]
+        return _Run(fs, toy_data, root, f"{name}-{backend}", opt, max_update, extra, driver, half=name in HALF)
+
+    started = [start(name, backend, 3) for name in CASES for backend in ("legacy", "os")]
+    done = {run.dir.name: run.wait() for run in started}
+    for name in ("vasso-legacy", "vasso-os"):  # what each saved after 3 updates, before it is resumed
+        done[name].saved = torch.load(root / name / "ckpt" / "checkpoint_last.pt", weights_only=True)
+    resumed = [start("vasso", backend, 6) for backend in ("legacy", "os")]
+    done.update({run.dir.name + "-resumed": run.wait() for run in resumed})
+    return done
+
+
+def _same_run(ref, other, *, rel=1e-5):
+    """``other`` (--zero-sharding os) gives ``ref``'s (legacy_ddp) losses, diagnostics and
+    final weights on both ranks."""
+    assert len(ref.inner()) == len(_taken(ref.rank(0)["log"])) > 0
+    # the logged values, as printed (stability below: it cancels, and may differ in its last
+    # digit); under fp16 autocast (rel > 1e-5) to that rounding
+    for key in ("loss", "gnorm", "ascent_norm", "sharpness", "loss_gap", "two_pass", "rho", "lr"):
+        theirs, ours = [s.get(key) for s in ref.inner()], [s.get(key) for s in other.inner()]
+        if rel <= 1e-5:
+            assert ours == theirs, key
+        else:
+            assert [float(v) for v in ours] == pytest.approx([float(v) for v in theirs], rel=rel), key
+    a, b = ref.rank(0), other.rank(0)
+    for x, y in zip(_taken(a["log"]), _taken(b["log"])):  # unrounded, every update
+        for key in ("ascent_norm", "sharpness", "stability", "loss_gap"):
+            if math.isnan(x.get(key, math.nan)):
+                assert math.isnan(y.get(key, math.nan)), (key, x, y)
+            else:  # stability, ||eps_t - eps_{t-1}|| from ||eps||^2 terms, cancels: to rho * 2e-5
+                tol = 1e-5 if key == "stability" else 1e-7
+                assert y[key] == pytest.approx(x[key], rel=rel, abs=tol), (key, x, y)
+    # Attention's key bias has no gradient in exact arithmetic (softmax ignores what it adds to
+    # every logit), so its .grad is rounding noise, which Adam normalizes into lr-sized steps in
+    # any two runs that sum the ascent norm in another order: compared apart, loosely
+    noise = [k for k in a["model"] if k.endswith("k_proj.bias")]
+    scale = max(float(t.abs().max()) for t in a["model"].values())
+    worst = max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"] if k not in noise)
+    assert worst <= rel * scale, worst
+    lr, updates = 2e-3, len(a["log"])
+    assert all(float((a["model"][k] - b["model"][k]).abs().max()) <= 2 * lr * updates for k in noise)
+    # the ranks stay identical (OSS broadcasts every partition after the step)
+    b1 = other.rank(1)
+    assert all(torch.equal(b["model"][k], b1["model"][k]) for k in b["model"])
+
+
+def _taken(log):
+    """The dump's entries of updates taken (an overflowed train_step call leaves num_updates)."""
+    return [e for i, e in enumerate(log) if e["num_updates"] > (log[i - 1]["num_updates"] if i else 0)]
+
+
+def _sharded_state(run):
+    """Each rank's core holds only its partition, with d_t (VASSO's slope) and Adam's moments
+    for exactly those parameters; the partitions cover the model."""
+    r0, r1 = run.rank(0)["log"][-1], run.rank(1)["log"][-1]
+    assert r0["sharded"] and r1["sharded"]
+    assert 0 < r0["held"] < r0["all"] and r0["held"] + r1["held"] == r0["all"]
+    return r0, r1
+
+
+def test_zero_sharding_vasso_with_update_freq_and_clip_norm_gives_the_legacy_ddp_run(runs):
+    _same_run(runs["vasso-legacy"], runs["vasso-os"])
+    assert not runs["vasso-legacy"].rank(0)["log"][-1]["sharded"]
+    r0, r1 = _sharded_state(runs["vasso-os"])
+    assert (r0["slopes"], r1["slopes"]) == (r0["held"], r1["held"])  # d_t sharded beside the moments
+    assert (r0["moments"], r1["moments"]) == (r0["held"], r1["held"])
+    # --clip-norm 0.5 clipped: the logged gnorm is above it
+    assert min(float(s["gnorm"]) for s in runs["vasso-os"].inner()) > 0.5
+
+
+@pytest.mark.parametrize("mode", list(HALF))
+def test_zero_sharding_in_the_loss_scaled_modes_gives_the_legacy_ddp_run(runs, mode):
+    """The same overflows, skips and loss scales, then the same updates: bit for bit in fp16
+    parameters (--fp16 masters, --memory-efficient-fp16); under --amp's fp16 autocast, to fp16
+    rounding (the second forward at x_t + eps_t rounds its activations to fp16, so a last-bit
+    difference in the ascent norm's sum can move a loss by an fp16 step)."""
+    ref, other = runs[f"{mode}-legacy"], runs[f"{mode}-os"]
+    a, b = ref.rank(0)["log"], other.rank(0)["log"]
+    assert [(e["num_updates"], e["loss_scale"]) for e in a] == [(e["num_updates"], e["loss_scale"]) for e in b]
+    assert len(a) > 3 and a[-1]["loss_scale"] < 65536  # overflows happened and were skipped alike
+    _same_run(ref, other, rel=1e-5 if mode != "amp" else 1e-3)
+    r0, r1 = _sharded_state(other)
+    assert (r0["moments"], r1["moments"]) == (r0["held"], r1["held"])
+    if CASES[mode][0] == "vasso":
+        assert (r0["slopes"], r1["slopes"]) == (r0["held"], r1["held"])
+
+
+def test_zero_sharding_saves_what_legacy_ddp_saves_and_resumes_as_it_does(runs):
+    """fairseq gathers the ranks' parts on save: one state dict over all the parameters, as
+    legacy_ddp saves it (d_t, Adam's moments, the step counter, the last ascent's norms); the
+    resumed runs then continue alike, losses and weights."""
+    legacy, ours = runs["vasso-legacy"].saved, runs["vasso-os"].saved
+    a, b = legacy["last_optimizer_state"], ours["last_optimizer_state"]
+    n = runs["vasso-os"].dumps[0]["log"][-1]["all"]  # the model's trainable parameters
+    assert sorted(b["state"]) == sorted(b["base_optimizer"]["state"]) == list(range(n)) == sorted(a["state"])
+    assert b["sharpness"]["step"] == a["sharpness"]["step"] == 3
+    assert b["sharpness"]["previous"] == pytest.approx(a["sharpness"]["previous"], rel=1e-5)
+    for x_all, y_all in ((a["state"], b["state"]), (a["base_optimizer"]["state"], b["base_optimizer"]["state"])):
+        # to float rounding of each buffer's largest entry over the model (the attention key
+        # biases' d_t is rounding noise near 1e-10, see _same_run)
+        scale = {k: max(float(v[k].abs().max()) for v in x_all.values()) for k in x_all[0]
+                 if torch.is_tensor(x_all[0][k]) and x_all[0][k].numel() > 1}
+        for i in range(n):
+            x, y = x_all[i], y_all[i]
+            assert x.keys() == y.keys()
+            for k in x:
+                if torch.is_tensor(x[k]) and x[k].numel() > 1:
+                    assert float((x[k] - y[k]).abs().max()) <= 1e-5 * scale[k], (i, k)
+                else:
+                    assert float(x[k]) == float(y[k]), (i, k)
+    assert a["base_optimizer"]["param_groups"] == b["base_optimizer"]["param_groups"]
+    # resumed from those checkpoints (each rank reading it), both continue alike
+    _same_run(runs["vasso-legacy-resumed"], runs["vasso-os-resumed"])
+    assert [int(s["num_updates"]) for s in runs["vasso-os-resumed"].inner()] == [4, 5, 6]
+    assert runs["vasso-os-resumed"].rank(0)["log"][-1]["sharded"]
+
+
+def test_fully_sharded_is_refused_on_cpu_with_the_alternatives(toy_data, tmp_path, fs, capsys):
+    """fairscale's FSDP computes on CUDA whatever the flags (stock adam stops with "Found no
+    NVIDIA driver" on a CPU, also with --cpu-offload or --no-reshard-after-forward)."""
+    with pytest.raises(SystemExit) as info:
+        fs.train(fs.model_args(toy_data, tmp_path) + ["--ddp-backend", "fully_sharded"])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--optimizer vasso does not support --ddp-backend fully_sharded" in last, last
+    assert "CUDA" in last and "--zero-sharding os" in last and "legacy_ddp" in last, last
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--ddp-backend fully_sharded needs CUDA: fairscale's FSDP "
+                    "computes there (fairseq 0.12 gives it no CPU device); no GPU here")
+def test_fully_sharded_on_a_gpu_is_refused_with_the_reason(toy_data, tmp_path, fs, capsys):
+    """On a GPU the refusal stays too: the core sums its norms over split parameters only with
+    partition_group, whose second pass sends each rank's parameters to the others, while FSDP
+    gathers its flat shards itself (docs/fairseq.md, "Supported modes")."""
+    argv = [a for a in fs.model_args(toy_data, tmp_path) if a != "--cpu"]
+    with pytest.raises(SystemExit) as info:
+        fs.train(argv + ["--ddp-backend", "fully_sharded"])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--ddp-backend fully_sharded" in last and "partition_group" in last and "--zero-sharding os" in last
