@@ -4,6 +4,7 @@ leaves one line naming the alternatives and exit code 0."""
 
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 
