@@ -979,7 +979,8 @@ class SharpnessAware(torch.optim.Optimizer):
             if entry is None:  # ZeroRedundancyOptimizer clears the entries other ranks hold
                 continue
             base_part, own_part, entry_counters = _split_entry(entry)
-            base_state[key] = base_part
+            if base_part:  # no entry where the base holds nothing, as its own state dict has none
+                base_state[key] = base_part  # (torch 2.1's Adam reads "step" from the first entry)
             if own_part:
                 own[key] = own_part
             if entry_counters is not None:
