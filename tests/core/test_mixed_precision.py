@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from plugins import SAM, VASSO
+from plugins.lab.selftest.checks import scaled_step
 from plugins.perturbation import rng_state, second_pass_coin
 from core_helpers import CountSyncs, build, flat, make_batches, make_model
 
@@ -479,22 +480,7 @@ def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            if api == "closure":
-                def closure():
-                    opt.zero_grad()
-                    backward()
-
-                opt.step(closure, scaler=scaler)
-            else:
-                rng = rng_state()
-                opt.zero_grad()
-                backward()
-                if opt.perturb(scaler=scaler):
-                    opt.zero_grad()
-                    with opt.second_pass(model, rng):
-                        backward()
-                scaler.step(opt)
-            scaler.update()
+            scaled_step(opt, model, scaler, backward, api)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]

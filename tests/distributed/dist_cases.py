@@ -6,26 +6,16 @@ same process: one process with the whole batch (the reference), and the distribu
 setup under test with this rank's slice of it; the ranks' final weights, gathered, and
 their diagnostics are returned beside the reference's."""
 
-import copy
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from plugins import SAM, VASSO, PartitionGroup
+from plugins.lab.selftest.checks import scaled_step
 from plugins.perturbation import rng_state
 
-VARIANTS = {
-    "SAM": (SAM, {}),
-    "ASAM": (SAM, {"adaptive": True}),
-    "GSAM": (SAM, {"gsam_alpha": 0.3}),
-    "eSAM": (SAM, {"p": 0.5}),
-    "VASSO": (VASSO, {}),
-    "eVASSO": (VASSO, {"p": 0.5}),
-    "V+G": (VASSO, {"gsam_alpha": 0.3}),
-    "adaptive eVASSO": (VASSO, {"adaptive": True, "p": 0.5}),
-}
+from core_helpers import VARIANTS  # the family's members as tests/core builds them (tests/core: on the ranks' path)
+
 DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap")
 STEPS = 4
 PER_RANK = 4  # samples per rank and step
@@ -354,21 +344,7 @@ def fp16_scaler(faults):
                 scaler.scale(loss).backward()
                 return loss
             before = opt.nonfinite_steps
-            if api == "closure":
-                def closure():
-                    opt.zero_grad()
-                    return backward()
-                opt.step(closure, scaler=scaler)
-            else:
-                rng = rng_state()
-                opt.zero_grad()
-                backward()
-                if opt.perturb(scaler=scaler):
-                    opt.zero_grad()
-                    with opt.second_pass(model, rng):
-                        backward()
-                scaler.step(opt)
-            scaler.update()
+            scaled_step(opt, model, scaler, backward, api)
             taken.append(opt.nonfinite_steps == before)
             scales.append(scaler.get_scale())
         return taken, scales

@@ -306,12 +306,13 @@ def check_mixed_precision(device: str) -> Figure:
 MAX_SYNCS = 2
 
 
-def _one_step(opt, model, scaler, x, y, api):
-    def backward():
-        scaler.scale(F.cross_entropy(model(x), y)).backward()
-
+def scaled_step(opt, model, scaler, backward, api: str) -> None:
+    """One loss-scaled step in either API, then ``scaler.update()``: the protocol of
+    docs/mixed_precision.md, as the checks and the tests run it.  ``backward()`` runs the
+    forward and ``scaler.scale(loss).backward()`` (it may return the loss: the closure
+    API's loss gap); ``step(closure)`` clears the gradients before each call itself."""
     if api == "closure":
-        opt.step(lambda: backward(), scaler=scaler)
+        opt.step(backward, scaler=scaler)
     else:
         rng = rng_state()
         opt.zero_grad()
@@ -322,6 +323,13 @@ def _one_step(opt, model, scaler, x, y, api):
                 backward()
         scaler.step(opt)
     scaler.update()
+
+
+def _one_step(opt, model, scaler, x, y, api):
+    def backward():
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+
+    scaled_step(opt, model, scaler, backward, api)
 
 
 def check_host_syncs(device: str) -> Figure:
