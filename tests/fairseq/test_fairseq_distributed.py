@@ -80,7 +80,7 @@ def _two_ranks_and_one(fs, data, tmp_path, extra=(), env=()):
             "--ddp-backend", "legacy_ddp", "--distributed-backend", "gloo", "--distributed-world-size", "2",
             "--distributed-rank", str(rank), "--distributed-init-method", f"tcp://127.0.0.1:{port}",
             "--distributed-no-spawn", "--no-save", *extra]
-        env_r = {"PYTHONPATH": os.pathsep.join([str(fs.REPO), str(fs.REPO / "tests"),  # conftest's imports
+        env_r = {"PYTHONPATH": os.pathsep.join([str(fs.REPO), str(fs.REPO / "tests" / "helpers"),  # conftest's imports
                                                 os.environ.get("PYTHONPATH", "")]),
                  "FSV_DUMP": str(tmp_path / f"rank{rank}.pt"), "OMP_NUM_THREADS": "1", **dict(env)}
         procs.append(process_group.popen([sys.executable, str(driver), *argv], cwd=str(tmp_path),

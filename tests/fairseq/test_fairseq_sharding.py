@@ -111,8 +111,8 @@ class _Run:
                 "--distributed-rank", str(rank), "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "FSV_DUMP": str(self.dir / f"rank{rank}.pt"),
                    **({"FSV_CPU_HALF": "1"} if half else {}),
-                   # the driver imports tests.fairseq.conftest, which imports tests/process_group.py
-                   "PYTHONPATH": os.pathsep.join([str(fs.REPO), os.path.join(str(fs.REPO), "tests"),
+                   # the driver imports tests.fairseq.conftest, which imports tests/helpers/process_group.py
+                   "PYTHONPATH": os.pathsep.join([str(fs.REPO), os.path.join(str(fs.REPO), "tests", "helpers"),
                                                   os.environ.get("PYTHONPATH", "")])}
             self.procs.append(subprocess.Popen([sys.executable, str(driver), *argv], cwd=str(self.dir), env=env,
                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

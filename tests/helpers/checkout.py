@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/helpers/ -> the checkout
 LEFT_OUT = ("__pycache__", ".pytest_cache")
 _LEFT_OUT_TOP = (".venv", ".git")
 
