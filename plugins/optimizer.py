@@ -419,23 +419,63 @@ class SharpnessAware(torch.optim.Optimizer):
         # VASSO's ||d_t|| from d_{t-1} and g_t before d_t is written (the ascent's scale).
         # A step the coin skips with a scaler reads only the finiteness of the scaled g_t.
         slopes = lists.buffers.get("slope")
+        # Where the sums cross ranks, a step whose set of parameters with a gradient changed
+        # (no slope list yet) takes each one's kept slope, and d_0 = g_0 (no previous
+        # slope) for the new ones, so that its sums ride along too, as every step's.
+        kept = self._kept_slopes(lists) if slopes is None and two_pass and layout.collective else None
+        previous = slopes if kept is None else [g if s is None else s for g, s in zip(grads, kept)]
         terms = [(grads, None)]
-        if want_inner and slopes is not None:
-            terms.append((grads, slopes))
-        fused_norm = vasso and two_pass and slopes is not None and lists.fuse_average_norm
-        if fused_norm:
-            fused_index = len(terms)
-            terms.append((slopes, grads, self.theta))
+        inner_index = None
+        if want_inner and (slopes is not None or kept is not None):
+            inner_index = len(terms)
+            terms.append((grads, slopes if kept is None else
+                          [torch.zeros_like(g) if s is None else s for g, s in zip(grads, kept)]))
+        fused_index = computed = None
+        if vasso and two_pass and previous is not None:
+            if lists.fuse_average_norm:
+                fused_index = len(terms)
+                terms.append((previous, grads, self.theta))
+            elif layout.collective:  # fp16/bf16: d_t as rounded in its dtype, computed before the reduction
+                computed = self._buffers(lists, "next_slope", grads, scratch=True)
+                torch._foreach_copy_(computed, previous)
+                P.update_moving_average(computed, grads, self.theta)
+                fused_index = len(terms)
+                terms.append((computed, None))
         # Where the sums cross ranks, adaptive geometry's ||T v_t|| rides along too (the
         # ascent needs it before the second pass: a collective of its own otherwise).
         tv_index = None
-        if self.adaptive and two_pass and layout.collective and (
-                slopes is not None or not any("slope" in self._own_state.get(q, ()) for q in lists.params)):
+        if self.adaptive and two_pass and layout.collective:
             ts = [P.adaptive_scale(x, self.eta) if m else torch.ones_like(x) for x, m in zip(params, lists.mask)]
             tv_index = len(terms)
             # v_t = d_t from d_{t-1} and g_t; SAM's (and VASSO's d_0) is g_t itself
-            terms.append((slopes, grads, self.theta, ts) if vasso and slopes is not None else (grads, grads, 1.0, ts))
-        values = P.reductions(terms, lists.plan, layout=layout).tolist() if params or layout.collective else [0.0]
+            terms.append((computed, computed, 1.0, ts) if computed is not None else
+                         (previous, grads, self.theta, ts) if vasso and previous is not None else
+                         (grads, grads, 1.0, ts))
+        # partition_group, once the model's exchange is known (built by an earlier second
+        # pass): the sums and every rank's ascent directions travel in one all_gather, and
+        # each rank moves the other owners' parameters itself (docs/design.md, section 7)
+        exchange = self._exchange.get("exchange") if self._partitioned and two_pass else None
+        if exchange is not None:
+            send, directions = exchange.directions(lists.params)
+            if directions:
+                if computed is not None:
+                    torch._foreach_copy_(directions, computed)
+                elif vasso and previous is not None:
+                    torch._foreach_copy_(directions, previous)
+                    P.update_moving_average(directions, grads, self.theta)
+                else:  # SAM's v_t, and VASSO's d_0 = g_0
+                    torch._foreach_copy_(directions, grads)
+                if self.adaptive:
+                    P.adaptive_direction_(directions, params, lists.mask, self.eta)
+            gathered = exchange.gather(send, P.local_sums(terms, lists.plan, layout), directions is not None)
+            values = P.finish_sums(terms, gathered).tolist()
+            if values.pop() > 0 or not math.isfinite(values[0]):  # nothing moves from the directions:
+                exchange.release()  # a non-finite g_t, or some rank could not place its own (share() them)
+                exchange = None
+        elif params or layout.collective:
+            values = P.reductions(terms, lists.plan, layout=layout).tolist()
+        else:
+            values = [0.0]
         grad_norm = values[0]
         if not math.isfinite(grad_norm):
             self._pending = {"kind": "nonfinite", "scaled": scaled}
@@ -443,14 +483,16 @@ class SharpnessAware(torch.optim.Optimizer):
             return False
         inner_previous = None
         if want_inner:  # <g_t, v_last>, as VASSO's <d_t, d_{t-1}> further down
-            inner_previous = values[1] if slopes is not None else self._inner_with_kept_slopes(lists, grads)
+            inner_previous = (values[inner_index] if inner_index is not None
+                              else self._inner_with_kept_slopes(lists, grads))
 
         if scaled and not two_pass and vasso:  # d_t needs g_t unscaled; .grad stays as the scaler left it
             slopes, slope_norm = self._update_slope(lists, P.unscale(grads, loss_scale, in_place=False),
                                                     grad_norm, two_pass, None)
         else:
             slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
-                                                    values[fused_index] if fused_norm else None)
+                                                    values[fused_index] if fused_index is not None else None,
+                                                    computed)
         if vasso and inner_previous is not None:
             inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
         if not two_pass:
@@ -483,15 +525,32 @@ class SharpnessAware(torch.optim.Optimizer):
 
         self._pending = {"kind": "perturbed", "lists": lists, "params": params, "slopes": slopes, "scale": scale,
                          "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True,
-                         "scaled": scaled, "exchange": None,
+                         "scaled": scaled, "exchange": None, "second_pass": False,
                          "first_loss": loss.detach() if torch.is_tensor(loss) else loss,
                          "deferred": (torch.cat([part for part, _ in deferred]), [f for _, f in deferred], diag,
                                       self._previous) if deferred else None}
+        if exchange is not None:  # the other owners' parameters, moved as they moved theirs
+            try:
+                self._pending["exchange"] = exchange
+                others, directions = exchange.arrived()
+                P.ascend_along_(others, directions, rho, values[tv_index] if self.adaptive else slope_norm,
+                                adaptive=self.adaptive)
+            except BaseException:
+                self.abandon()
+                raise
         return True
 
+    def _kept_slopes(self, lists: "_StepLists") -> List[Optional[torch.Tensor]]:
+        """Each parameter's slope buffer (its local part), None where it has none yet: for a
+        step whose set of parameters with a gradient changed."""
+        own = self._own_state
+        return [D.local(own[q]["slope"]) if "slope" in own.get(q, ()) else None for q in lists.params]
+
     def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
-                      fused_norm: Optional[float]):
-        """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built)."""
+                      fused_norm: Optional[float], computed: Optional[List[torch.Tensor]] = None):
+        """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built).
+        ``computed``: VASSO's ``d_t``, computed before the step's reduction (fp16/bf16
+        parameters where the sums cross ranks), now copied into the slope buffers."""
         slopes = lists.buffers.get("slope")
         if self.theta is None:  # SAM: the slope is g_t, kept only on two-pass steps
             if two_pass:
@@ -501,7 +560,10 @@ class SharpnessAware(torch.optim.Optimizer):
             return slopes, grad_norm
         # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
         kept = None
-        if slopes is None:  # new buffers start at d_0 = g_0
+        if computed is not None:
+            slopes = self._buffers(lists, "slope", grads) if slopes is None else slopes
+            torch._foreach_copy_(slopes, computed)
+        elif slopes is None:  # new buffers start at d_0 = g_0
             fresh = {id(q) for q in lists.params if "slope" not in self._own_state.get(q, ())}
             slopes = self._buffers(lists, "slope", grads)
             kept = [i for i, q in enumerate(lists.params) if id(q) not in fresh]
@@ -524,13 +586,11 @@ class SharpnessAware(torch.optim.Optimizer):
         geometry's ``||T v_t||`` when reduced already; ``deferred``: where the partial sum
         of ``||eps_t||`` goes when it is to be reduced with descend()'s (NaN until then)."""
         params = lists.local_params()
+        eps, scale, scaled_norm = P.ascend_(params, slopes, rho, tv_norm if self.adaptive else slope_norm,
+                                            adaptive_mask=lists.mask, eta=self.eta, plan=lists.plan,
+                                            layout=lists.layout)
         if not self.adaptive:
-            scale = P.plain_ascent_scale(rho, slope_norm)
-            torch._foreach_add_(params, slopes, alpha=scale)
             return None, scale, P.plain_ascent_norm(rho, slope_norm), P.estimated_sharpness(rho, slope_norm)
-        eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta,
-                                              plan=lists.plan, layout=lists.layout, norm=tv_norm)
-        torch._foreach_add_(params, eps)
         sharpness = P.estimated_sharpness(rho, scaled_norm if tv_norm is None else tv_norm)
         if deferred is not None:
             def finish(values, diag, previous):
@@ -648,7 +708,7 @@ class SharpnessAware(torch.optim.Optimizer):
         carries (None once ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's
         verdict on it (``GradScaler.step`` hands both over)."""
         pending = self._pending
-        if pending["kind"] == "perturbed" and self._partitioned and pending["exchange"] is None:
+        if pending["kind"] == "perturbed" and self._partitioned and not pending["second_pass"]:
             self.abandon()  # the second pass ran with the other ranks' parameters at x_t: its h_t is wrong
             raise RuntimeError(_PARTITION_MODEL.replace("the second pass needs", "the second pass ran outside "
                                                         "second_pass(model, rng); it needs"))
@@ -749,8 +809,12 @@ class SharpnessAware(torch.optim.Optimizer):
                 raise ValueError(_PARTITION_MODEL)
             try:  # the other ranks' parameters at x + eps, before the second forward
                 exchange = D.exchange_for(self._exchange, model, self._all_params(), self.partition_group)
-                pending["exchange"] = exchange
-                exchange.share()
+                if pending["exchange"] is not exchange:  # perturb() did not move them for this model
+                    if pending["exchange"] is not None:
+                        pending["exchange"].restore()
+                    pending["exchange"] = exchange
+                    exchange.share()
+                pending["second_pass"] = True
             except BaseException:
                 self.abandon()
                 raise
