@@ -243,6 +243,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._own_state: Dict[torch.Tensor, Dict[str, Any]] = defaultdict(dict)
         self.state = _MergedState(self)
         self._exchange: Dict[str, Any] = {}  # partition_group: the AscentExchange of the model
+        self._split_checked = False  # Layout.check_split, on the first step
         if self.partition_group is not None and any(D.is_dtensor(q) for q in self._all_params()):
             raise ValueError("partition_group must be None for DTensor parameters (FSDP2, fully_shard): they "
                              "carry their device mesh, over which the step reduces; partition_group names the "
@@ -394,9 +395,12 @@ class SharpnessAware(torch.optim.Optimizer):
         rho = self.current_rho()  # may refuse: before anything moves
         lists = self._step_lists()
         layout = lists.layout
-        if lists.unchecked:  # plain tensors on several ranks: replicas, or split over partition_group?
+        # plain tensors on several ranks: replicas, or split over partition_group?  Checked on the
+        # first step only: a later change of the set of parameters with a gradient may be one
+        # rank's alone (under ZeRO), whose collective the others would not join
+        if not self._split_checked:
             layout.check_split(lists.params)
-            lists.unchecked = False
+            self._split_checked = True
         params, grads = lists.local_params(), lists.local_grads()
         loss_scale = _loss_scale(scaler, grads)
         scaled = loss_scale is not None
@@ -1348,14 +1352,13 @@ class _StepLists:
     set of such parameters: the reduction plan, the adaptive mask, whether any is
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
-    __slots__ = ("params", "names", "layout", "unchecked", "plan", "mask", "low_precision", "fuse_average_norm",
+    __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
                  "buffers")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
         self.names = names
         self.layout = layout
-        self.unchecked = True
         locals_ = self.local_params()
         counted = locals_ if layout.counted is None else [locals_[i] for i in layout.counted]
         self.plan = P.chunk_plan(counted)  # over this rank's local parts (uneven shards too)

@@ -32,14 +32,59 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
     for rank in ranks:
         for (setting, kind, api), steps in rank["host_waits"].items():
             if setting == "ZeRO":  # its first two-pass step builds the exchange (a one-time set-up)
-                first = next(i for i, (_, two_pass, _) in enumerate(steps) if two_pass)
+                first = next(i for i, step in enumerate(steps) if step[1])
                 steps = steps[first + 1:]
             assert steps, (setting, kind, api)
-            for waits, two_pass, events in steps:
+            for waits, two_pass, events, *_ in steps:
                 expected = 2 if two_pass else 1
                 assert waits == expected, (setting, kind, api, waits, two_pass, events)
                 if setting != "DDP":  # the decisions' values are global: a collective before each read
                     assert events.count("collective") >= events.count("read") >= 1, events
+
+
+def test_low_precision_vasso_waits_twice_and_takes_the_norm_of_d_t_as_rounded(ranks):
+    """VASSO with bf16 parameters (d_t rounded to bf16 after its update): where the sums
+    cross ranks d_t is computed before the step's reduction and its norm rides along,
+    so FSDP2 and ZeRO wait twice per two-pass step, as fp32 does (ZeRO: after its first
+    two-pass step, which builds the exchange).  Against one process in bf16: ZeRO
+    (every rank computing the whole batch's gradient, as one process does) gives its
+    weights bit for bit; FSDP2 (whose gradients are averaged over the ranks in bf16)
+    to bf16 rounding, with the one-process sharpness (a norm over one rank's shard
+    would be ~30% short)."""
+    for rank in ranks:
+        for (setting, kind), (error, ref_sharpness, steps) in rank["bf16 VASSO"].items():
+            if setting == "ZeRO":
+                assert error == 0.0, (kind, error)
+                first = next(i for i, step in enumerate(steps) if step[1])
+                later = steps[first + 1:]
+            else:
+                assert error <= 1e-2, (kind, error)
+                later = steps
+            assert any(step[1] for step in later), (setting, kind)
+            for waits, two_pass, events, *_ in later:
+                assert waits == (2 if two_pass else 1), (setting, kind, waits, two_pass, events)
+            sharpness = [step[3] for step in steps]
+            assert sharpness == pytest.approx(ref_sharpness, rel=1e-2, nan_ok=True), (setting, kind)
+    for key, (error, _, steps) in ranks[0]["bf16 VASSO"].items():  # the same global values on both
+        other_error, _, other = ranks[1]["bf16 VASSO"][key]
+        assert error == other_error and [s[3] for s in steps] == pytest.approx([s[3] for s in other], nan_ok=True)
+
+
+def test_a_parameter_whose_first_gradient_comes_later_costs_no_extra_wait(ranks):
+    """A branch joins the forward at step 3 (a layer unfrozen mid-run): its parameters get
+    their first gradient (VASSO's d_0 = g_0) beside parameters whose slopes are kept.
+    Under FSDP2 and ZeRO the step's sums take the kept slopes into the one reduction, so
+    that step waits twice too, and every member gives the one-process weights."""
+    from dist_cases import LATE
+
+    for rank in ranks:
+        for (setting, kind), (error, steps) in rank["late gradient"].items():
+            assert error <= 1e-5, (setting, kind, error)
+            with_grad = [step[4] for step in steps]
+            assert with_grad == [4] * LATE + [6] * (len(steps) - LATE), (setting, kind, with_grad)
+            later = steps[1:]  # ZeRO's first two-pass step builds the exchange; FSDP2's is as the others
+            for waits, two_pass, events, *_ in later:
+                assert two_pass and waits == 2, (setting, kind, waits, events)
 
 
 # ------------------------------------------------------------------ mixed precision
