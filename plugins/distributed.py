@@ -13,8 +13,9 @@ ranks that sum runs, from what the parameters are:
   (torch's ``get_total_norm`` gets the same from DTensor's ``Partial`` norms);
 * plain tensors with ``partition_group``: each rank's optimizer holds a part of the
   parameters (``ZeroRedundancyOptimizer``, fairscale's ``OSS``, a hand-split model):
-  the sum runs over the group, and :class:`AscentExchange` sends each owner's parameters
-  at ``x + eps`` to the other ranks before the second forward.
+  the sum runs over the group, and :class:`AscentExchange` brings every owner's
+  parameters to ``x + eps`` on the other ranks before the second forward (their ascent
+  directions ride along with the step's partial sums in one ``all_gather``).
 
 This module imports no DTensor module: it takes the classes from the one already
 loaded (``torch.distributed.tensor``, torch 2.1's ``torch.distributed._tensor``), so the

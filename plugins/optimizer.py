@@ -30,6 +30,9 @@ eVASSO (p < 1)                              ``slope`` + ``previous_ascent`` (onl
                                             at x_t + eps) + ``previous_ascent``
                                             (diagnostic)
 fp16 / bf16 parameters                      + ``anchor`` (exact restore)
++ VASSO with fp16 / bf16 parameters where   + ``next_slope`` (d_t computed before the
+  the sums cross ranks (FSDP2, ZeRO)          step's one reduction, so that its norm
+                                            as rounded rides along)
 ==========================================  =========================================
 
 The restore of plain geometry with fp32 parameters subtracts the same ``s * v``

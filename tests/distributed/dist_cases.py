@@ -362,6 +362,45 @@ def gradient_set_change():
     return out
 
 
+def exchange_fallbacks():
+    """ZeroRedundancyOptimizer (SAM and ASAM, explicit API) once perturb() moves the other
+    owners' parameters itself: a second pass given another model than the exchange's
+    (the model inside a container holding one more parameter) shares the parameters
+    instead, and a second pass that raises leaves every rank at x_t.  {kind: (relative
+    error against one process, how far the parameters are from x_t after the exception,
+    no step in flight)}."""
+    world = dist.get_world_size()
+    data = (batches(world) * 2)[:5]
+    out = {}
+    for kind in ("SAM", "ASAM"):
+        ref_model = make_model()
+        run(build(kind, ref_model.parameters(), torch.optim.SGD), ref_model, data[:4], "explicit")
+        model = make_model()
+        zero = _zero(kind, model.parameters())
+        outer = torch.nn.ModuleList([model, torch.nn.Linear(1, 1)])  # its extra parameter: no rank's
+        for t, (x, y) in enumerate(data):
+            rng = rng_state()
+            before = [p.detach().clone() for p in model.parameters()]
+            zero.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert zero.optim.perturb()
+            zero.zero_grad()
+            if t < 4:
+                with zero.optim.second_pass(outer if t in (2, 3) else model, rng):
+                    F.cross_entropy(model(x), y).backward()
+                zero.step()
+            else:
+                try:
+                    with zero.optim.second_pass(model, rng):
+                        raise KeyError("a failing second pass")
+                except KeyError:
+                    pass
+                # plain geometry puts its own back by subtracting the ascent (to rounding)
+                back = max(float((a - b).abs().max()) for a, b in zip(before, model.parameters()))
+        out[kind] = (compare(before, [p.detach() for p in ref_model.parameters()]), back, not zero.optim.in_flight)
+    return out
+
+
 # ------------------------------------------------------------------ mixed precision
 
 
@@ -582,4 +621,5 @@ def two_rank_checks():
     """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
     wrong use."""
     return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
-            "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change()}
+            "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change(),
+            "exchange fallbacks": exchange_fallbacks()}

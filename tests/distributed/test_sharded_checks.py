@@ -87,6 +87,17 @@ def test_a_parameter_whose_first_gradient_comes_later_costs_no_extra_wait(ranks)
                 assert two_pass and waits == 2, (setting, kind, waits, events)
 
 
+def test_zero_falls_back_to_sharing_for_another_model_and_abandons_on_an_exception(ranks):
+    """Once perturb() moves the other owners' parameters itself: a second pass given
+    another model than the exchange's shares them instead (the one-process weights),
+    and an exception in the second pass puts every parameter back at x_t on every rank
+    (the received ones exactly, the rank's own to the rounding of plain geometry's
+    subtraction)."""
+    for rank in ranks:
+        for kind, (error, distance, idle) in rank["exchange fallbacks"].items():
+            assert error <= 1e-6 and distance <= 1e-7 and idle, (kind, error, distance, idle)
+
+
 # ------------------------------------------------------------------ mixed precision
 
 
