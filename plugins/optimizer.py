@@ -470,6 +470,8 @@ class SharpnessAware(torch.optim.Optimizer):
                 elif vasso and previous is not None:
                     torch._foreach_copy_(directions, previous)
                     P.update_moving_average(directions, grads, self.theta)
+                    if not self.adaptive:  # d_t itself: the slope buffers take it once g_t is known finite
+                        computed = directions
                 else:  # SAM's v_t, and VASSO's d_0 = g_0
                     torch._foreach_copy_(directions, grads)
                 if self.adaptive:
@@ -557,7 +559,8 @@ class SharpnessAware(torch.optim.Optimizer):
                       fused_norm: Optional[float], computed: Optional[List[torch.Tensor]] = None):
         """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built).
         ``computed``: VASSO's ``d_t``, computed before the step's reduction (fp16/bf16
-        parameters where the sums cross ranks), now copied into the slope buffers."""
+        parameters where the sums cross ranks; under ``partition_group``, the direction
+        the exchange sent), now copied into the slope buffers."""
         slopes = lists.buffers.get("slope")
         if self.theta is None:  # SAM: the slope is g_t, kept only on two-pass steps
             if two_pass:
