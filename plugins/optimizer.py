@@ -444,7 +444,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 terms.append((previous, grads, self.theta))
             elif layout.collective:  # fp16/bf16: d_t as rounded in its dtype, computed before the reduction
                 computed = self._buffers(lists, "next_slope", grads, scratch=True)
-                torch._foreach_copy_(computed, previous)
+                _copy_(computed, previous)
                 P.update_moving_average(computed, grads, self.theta)
                 fused_index = len(terms)
                 terms.append((computed, None))
@@ -466,14 +466,14 @@ class SharpnessAware(torch.optim.Optimizer):
             send, directions = exchange.directions(lists.params)
             if directions:
                 if computed is not None:
-                    torch._foreach_copy_(directions, computed)
+                    _copy_(directions, computed)
                 elif vasso and previous is not None:
-                    torch._foreach_copy_(directions, previous)
+                    _copy_(directions, previous)
                     P.update_moving_average(directions, grads, self.theta)
                     if not self.adaptive:  # d_t itself: the slope buffers take it once g_t is known finite
                         computed = directions
                 else:  # SAM's v_t, and VASSO's d_0 = g_0
-                    torch._foreach_copy_(directions, grads)
+                    _copy_(directions, grads)
                 if self.adaptive:
                     P.adaptive_direction_(directions, params, lists.mask, self.eta)
             gathered = exchange.gather(send, P.local_sums(terms, lists.plan, layout), directions is not None)
@@ -512,13 +512,13 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.gsam_alpha > 0.0:
             if vasso:  # V+G: the correction takes g_t, which d_t does not keep
                 first_grads = self._buffers(lists, "first_grad", grads, scratch=True)
-                torch._foreach_copy_(first_grads, grads)
+                _copy_(first_grads, grads)
             else:
                 first_grads = slopes
         anchors = None
         if self.exact_restore or self.adaptive or lists.low_precision:
             anchors = self._buffers(lists, "anchor", params, scratch=True)
-            torch._foreach_copy_(anchors, params)
+            _copy_(anchors, params)
 
         # Where the sums cross ranks, the diagnostics' own sums (adaptive ||eps_t||, the
         # buffered stability's inner product) are summed with descend()'s reduction.
@@ -566,13 +566,13 @@ class SharpnessAware(torch.optim.Optimizer):
             if two_pass:
                 if slopes is None:
                     slopes = self._buffers(lists, "slope", grads)
-                torch._foreach_copy_(slopes, grads)
+                _copy_(slopes, grads)
             return slopes, grad_norm
         # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
         kept = None
         if computed is not None:
             slopes = self._buffers(lists, "slope", grads) if slopes is None else slopes
-            torch._foreach_copy_(slopes, computed)
+            _copy_(slopes, computed)
         elif slopes is None:  # new buffers start at d_0 = g_0
             fresh = {id(q) for q in lists.params if "slope" not in self._own_state.get(q, ())}
             slopes = self._buffers(lists, "slope", grads)
@@ -639,10 +639,11 @@ class SharpnessAware(torch.optim.Optimizer):
                 inner = scale * P.reductions([(slopes, kept)], lists.plan, layout=lists.layout)[0]
             stability = P.distance_between_ascents(ascent_norm, previous["ascent_norm"], inner)
         if eps is not None:
-            torch._foreach_copy_(kept, eps)
+            _copy_(kept, eps)
         else:
-            torch._foreach_copy_(kept, slopes)
-            torch._foreach_mul_(kept, scale)
+            _copy_(kept, slopes)
+            if kept:
+                torch._foreach_mul_(kept, scale)
         return stability
 
     def _inner_with_kept_slopes(self, lists, grads) -> torch.Tensor:
@@ -663,8 +664,8 @@ class SharpnessAware(torch.optim.Optimizer):
             return
         params = pending["params"]
         if pending["anchors"] is not None:
-            torch._foreach_copy_(params, pending["anchors"])
-        else:
+            _copy_(params, pending["anchors"])
+        elif params:
             torch._foreach_add_(params, pending["slopes"], alpha=-pending["scale"])
         if pending["exchange"] is not None:  # partition_group: the other owners' parameters too
             pending["exchange"].restore()
@@ -1389,6 +1390,14 @@ class _StepLists:
         if not self.layout.sharded:
             return [q.grad for q in self.params]
         return [None if q.grad is None and missing_ok else D.local(q.grad) for q in self.params]
+
+
+def _copy_(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """``torch._foreach_copy_`` for lists that may be empty: under ``partition_group`` a
+    rank whose parameters have no gradient yet (frozen, or not in the forward) takes part
+    in the step's collectives with nothing of its own."""
+    if destinations:
+        torch._foreach_copy_(destinations, sources)
 
 
 def _loss_gap(first, second):

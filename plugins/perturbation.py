@@ -189,7 +189,8 @@ def dot(xs: Tensors, ys: Tensors, layout=None) -> torch.Tensor:
 
 def update_moving_average(averages: Tensors, grads: Tensors, theta: float) -> None:
     """VASSO's slope, in place: ``d <- (1 - theta) * d + theta * g`` (paper eq. 4a)."""
-    torch._foreach_lerp_(list(averages), list(grads), theta)
+    if len(averages):
+        torch._foreach_lerp_(list(averages), list(grads), theta)
 
 
 def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: float) -> float:

@@ -359,6 +359,22 @@ def gradient_set_change():
         counts = counted_steps(zero, model, data, "explicit", finish=zero.step, explicit_opt=zero.optim,
                                before_step=lambda t: setattr(model, "on", t >= LATE))
         out[("ZeRO", kind)] = (compare(full(model.parameters()), ref), counts)
+
+        # split by hand: rank 0 optimizes the body, rank 1 the branch, so rank 1 holds no
+        # gradient before step LATE and its set alone changes there
+        model = LateBranch()
+        owner = {id(p): 0 for p in model.body.parameters()} | {id(p): 1 for p in model.extra.parameters()}
+        cls, knobs = VARIANTS[kind]
+        mine = [p for p in model.parameters() if owner[id(p)] == dist.get_rank() % 2]
+        opt = cls(mine, torch.optim.SGD, rho=0.2, lr=1e-2, partition_group=dist.group.WORLD, **knobs)
+
+        def descend_and_sync():  # what ZeRO's step does after ours: each owner sends its parameters
+            opt.descend()
+            for p in model.parameters():
+                dist.broadcast(p.data, src=owner[id(p)])
+        counts = counted_steps(opt, model, data, "explicit", finish=descend_and_sync,
+                               before_step=lambda t: setattr(model, "on", t >= LATE))
+        out[("hand-split", kind)] = (compare(full(model.parameters()), ref), counts)
     return out
 
 

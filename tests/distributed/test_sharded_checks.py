@@ -74,7 +74,10 @@ def test_a_parameter_whose_first_gradient_comes_later_costs_no_extra_wait(ranks)
     """A branch joins the forward at step 3 (a layer unfrozen mid-run): its parameters get
     their first gradient (VASSO's d_0 = g_0) beside parameters whose slopes are kept.
     Under FSDP2 and ZeRO the step's sums take the kept slopes into the one reduction, so
-    that step waits twice too, and every member gives the one-process weights."""
+    that step waits twice too, and every member gives the one-process weights.  Split
+    by hand over partition_group with the branch on rank 1 alone, rank 1 holds no
+    gradient before step 3 (it takes part with nothing of its own) and its set alone
+    changes there (nothing collective hangs on it)."""
     from dist_cases import LATE
 
     for rank in ranks:
