@@ -13,8 +13,9 @@ ranks that sum runs, from what the parameters are:
   (torch's ``get_total_norm`` gets the same from DTensor's ``Partial`` norms);
 * plain tensors with ``partition_group``: each rank's optimizer holds a part of the
   parameters (``ZeroRedundancyOptimizer``, fairscale's ``OSS``, a hand-split model):
-  the sum runs over the group, and :class:`AscentExchange` sends each owner's parameters
-  at ``x + eps`` to the other ranks before the second forward.
+  the sum runs over the group, and :class:`AscentExchange` brings every owner's
+  parameters to ``x + eps`` on the other ranks before the second forward (their ascent
+  directions ride along with the step's partial sums in one ``all_gather``).
 
 This module imports no DTensor module: it takes the classes from the one already
 loaded (``torch.distributed.tensor``, torch 2.1's ``torch.distributed._tensor``), so the
@@ -231,16 +232,39 @@ class Layout:
                              "partition_group for replicas")
 
 
+#: Each parameter's bytes in an exchange's packed buffer start at a multiple of this, so
+#: that a ``uint8`` slice views as any dtype (``Tensor.view(dtype)`` needs the alignment).
+_ALIGN = 16
+#: float64 slots at the end of the packed buffer for a step's partial sums (perturb()
+#: sends at most 4: ||g||^2, <g, v_{t-1}>, ||d_t||^2, ||T v||^2).
+_HEADER = 8
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 class AscentExchange:
     """Under ``partition_group`` each rank's optimizer moves only its own parameters to
-    ``x + eps``; the second forward needs every parameter there on every rank.  This
-    sends each owner's parameters to the other ranks (one ``all_gather`` per dtype, as
-    ZeRO / OSS broadcast them after their own step) and keeps the receivers' values at
-    ``x`` to put back (:meth:`restore`), so that a dropped step leaves every rank at ``x``.
+    ``x + eps``; the second forward needs every parameter there on every rank.
 
     Built once per model and set of owned parameters: the owners are found with one
     ``all_gather`` of who holds which of ``model.parameters()`` (the same list, in the
-    same order, on every rank)."""
+    same order, on every rank).  Every rank's parameters then have a place in one packed
+    ``uint8`` buffer (their bytes, in model order, whatever their dtypes), so that one
+    ``all_gather`` of it carries every rank's part:
+
+    * :meth:`share`: the owners' parameters, already at ``x + eps`` (the first two-pass
+      step, before this exchange was known to ``perturb()``, and a second pass given
+      another model);
+    * :meth:`gather`: from then on, ``perturb()``'s one collective: each rank's partial
+      sums (float64, at the end of the buffer) and the ascent direction of its
+      parameters (:meth:`directions`: ``v_t``, or ``T^2 v_t`` in adaptive geometry),
+      from which every rank moves the other owners' parameters itself
+      (:meth:`arrived`), so the step's sums and the ascent cost one wait.
+
+    Either way the receivers keep their values at ``x`` to put back (:meth:`restore`),
+    so that a dropped step leaves every rank at ``x``."""
 
     def __init__(self, model_params: List[torch.Tensor], owned: set, group):
         dist = torch.distributed
@@ -274,40 +298,95 @@ class AscentExchange:
                              "to second_pass()/step()")
         holders = (table[:, j].nonzero().flatten() for j in range(len(model_params)))
         owners = [int(r[0]) if len(r) else -1 for r in holders]  # -1: optimized by no rank
-        # per dtype: each rank's parameters in model order, and the padded chunk size
-        self.plan: List[Tuple[torch.dtype, List[List[int]], int]] = []
-        for dtype in sorted({p.dtype for p in model_params}, key=str):
-            by_rank = [[j for j, p in enumerate(model_params) if owners[j] == r and p.dtype == dtype]
-                       for r in range(self.size)]
-            width = max(sum(model_params[j].numel() for j in js) for js in by_rank)
-            if width:
-                self.plan.append((dtype, by_rank, width))
+        # each rank's parameters in model order: (model index, byte offset in its packed buffer)
+        self.slots: List[List[Tuple[int, int]]] = [[] for _ in range(self.size)]
+        ends = [0] * self.size
+        for j, r in enumerate(owners):
+            if r >= 0:
+                self.slots[r].append((j, ends[r]))
+                ends[r] = _aligned(ends[r] + model_params[j].numel() * model_params[j].element_size())
+        self.header = max(ends)  # where the partial sums go
         self.saved: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        self._index: Optional[tuple] = None  # (the step's parameter list, their byte offsets)
+        self._received: Optional[List[torch.Tensor]] = None
+
+    def _view(self, buffer: torch.Tensor, j: int, offset: int) -> torch.Tensor:
+        p = self.params[j]
+        return buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.zeros(self.header + 8 * _HEADER, dtype=torch.uint8, device=self.device)
+
+    def _all_gather(self, send: torch.Tensor) -> List[torch.Tensor]:
+        received = [torch.empty_like(send) for _ in range(self.size)]
+        torch.distributed.all_gather(received, send, group=self.group)
+        return received
+
+    def _save_others(self) -> List[Tuple[torch.Tensor, List[Tuple[int, int]]]]:
+        """Keep the other owners' parameters at ``x`` (for :meth:`restore`) before they move."""
+        others = [(r, s) for r, s in enumerate(self.slots) if r != self.rank and s]
+        self.saved = [(self.params[j], self.params[j].detach().clone()) for _, s in others for j, _ in s]
+        return others
 
     @torch.no_grad()
     def share(self) -> None:
         """Every rank receives the other owners' parameters (now at ``x + eps``)."""
-        dist = torch.distributed
-        saved = []
-        for dtype, by_rank, width in self.plan:
-            mine = by_rank[self.rank]
-            send = torch.zeros(width, dtype=dtype, device=self.device)
-            if mine:
-                flat = torch.cat([self.params[j].detach().reshape(-1) for j in mine])
-                send[:flat.numel()].copy_(flat)
-            received = [torch.empty_like(send) for _ in range(self.size)]
-            dist.all_gather(received, send, group=self.group)
-            for r, js in enumerate(by_rank):
-                if r == self.rank:
-                    continue
-                offset = 0
-                for j in js:
-                    p = self.params[j]
-                    n = p.numel()
-                    saved.append((p, p.detach().clone()))
-                    p.detach().copy_(received[r][offset:offset + n].view_as(p))
-                    offset += n
-        self.saved = saved
+        send = self._buffer()
+        for j, offset in self.slots[self.rank]:
+            self._view(send, j, offset).copy_(self.params[j].detach())
+        received = self._all_gather(send)
+        for r, slots in self._save_others():
+            for j, offset in slots:
+                self.params[j].detach().copy_(self._view(received[r], j, offset))
+
+    def directions(self, params: List[torch.Tensor]) -> Tuple[torch.Tensor, Optional[List[torch.Tensor]]]:
+        """A packed buffer for :meth:`gather` (zeros) and, in it, the place of each of this
+        step's parameters ``params`` (this rank's, with a gradient), shaped as the
+        parameter, for the caller to write its ascent direction into; the owned
+        parameters without a gradient keep a zero direction (they do not move).  No
+        places (None) when some parameter of ``params`` has none in this exchange (it
+        joined the optimizer after the exchange was built): :meth:`gather` then tells
+        every rank, and the step shares the parameters instead."""
+        if self._index is None or self._index[0] is not params:
+            where = {id(self.params[j]): (j, offset) for j, offset in self.slots[self.rank]}
+            places = [where.get(id(q)) for q in params]
+            self._index = (params, None if any(w is None for w in places) else places)
+        places = self._index[1]
+        send = self._buffer()
+        return send, None if places is None else [self._view(send, j, offset) for j, offset in places]
+
+    def gather(self, send: torch.Tensor, partial: torch.Tensor, complete: bool = True) -> torch.Tensor:
+        """The one ``all_gather`` of a step: ``partial`` (this rank's partial sums) goes
+        with the directions already in ``send``; returns the partial sums summed over the
+        ranks in rank order (the same float64 values on every rank), and after them the
+        number of ranks whose directions are not complete (``complete`` False: then no
+        rank may move the others' parameters from them, :meth:`arrived`)."""
+        k = partial.numel() + 1
+        if k > _HEADER:
+            raise RuntimeError(f"AscentExchange carries at most {_HEADER - 1} partial sums, got {k - 1}")
+        header = send[self.header:self.header + 8 * k].view(torch.float64)
+        header[:-1].copy_(partial.to(self.device, torch.float64))
+        header[-1] = 0.0 if complete else 1.0
+        self._received = received = self._all_gather(send)
+        sums = torch.stack([r[self.header:self.header + 8 * k].view(torch.float64) for r in received]).sum(0)
+        return sums.to(partial.device)
+
+    def arrived(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """After :meth:`gather`: the other owners' parameters (their values at ``x``
+        kept for :meth:`restore`) and the directions they sent, for the caller to move
+        them as the owners moved theirs."""
+        received, self._received = self._received, None
+        params, directions = [], []
+        for r, slots in self._save_others():
+            for j, offset in slots:
+                params.append(self.params[j].detach())
+                directions.append(self._view(received[r], j, offset))
+        return params, directions
+
+    def release(self) -> None:
+        """Drop what :meth:`gather` received when nothing moves from it (a non-finite
+        ``g_t``, or directions some rank could not place)."""
+        self._received = None
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -30,6 +30,9 @@ eVASSO (p < 1)                              ``slope`` + ``previous_ascent`` (onl
                                             at x_t + eps) + ``previous_ascent``
                                             (diagnostic)
 fp16 / bf16 parameters                      + ``anchor`` (exact restore)
++ VASSO with fp16 / bf16 parameters where   + ``next_slope`` (d_t computed before the
+  the sums cross ranks (FSDP2, ZeRO)          step's one reduction, so that its norm
+                                            as rounded rides along)
 ==========================================  =========================================
 
 The restore of plain geometry with fp32 parameters subtracts the same ``s * v``
@@ -243,6 +246,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._own_state: Dict[torch.Tensor, Dict[str, Any]] = defaultdict(dict)
         self.state = _MergedState(self)
         self._exchange: Dict[str, Any] = {}  # partition_group: the AscentExchange of the model
+        self._split_checked = False  # Layout.check_split, on the first step
         if self.partition_group is not None and any(D.is_dtensor(q) for q in self._all_params()):
             raise ValueError("partition_group must be None for DTensor parameters (FSDP2, fully_shard): they "
                              "carry their device mesh, over which the step reduces; partition_group names the "
@@ -394,9 +398,12 @@ class SharpnessAware(torch.optim.Optimizer):
         rho = self.current_rho()  # may refuse: before anything moves
         lists = self._step_lists()
         layout = lists.layout
-        if lists.unchecked:  # plain tensors on several ranks: replicas, or split over partition_group?
+        # plain tensors on several ranks: replicas, or split over partition_group?  Checked on the
+        # first step only: a later change of the set of parameters with a gradient may be one
+        # rank's alone (under ZeRO), whose collective the others would not join
+        if not self._split_checked:
             layout.check_split(lists.params)
-            lists.unchecked = False
+            self._split_checked = True
         params, grads = lists.local_params(), lists.local_grads()
         loss_scale = _loss_scale(scaler, grads)
         scaled = loss_scale is not None
@@ -419,23 +426,65 @@ class SharpnessAware(torch.optim.Optimizer):
         # VASSO's ||d_t|| from d_{t-1} and g_t before d_t is written (the ascent's scale).
         # A step the coin skips with a scaler reads only the finiteness of the scaled g_t.
         slopes = lists.buffers.get("slope")
+        # Where the sums cross ranks, a step whose set of parameters with a gradient changed
+        # (no slope list yet) takes each one's kept slope, and d_0 = g_0 (no previous
+        # slope) for the new ones, so that its sums ride along too, as every step's.
+        kept = self._kept_slopes(lists) if slopes is None and two_pass and layout.collective else None
+        previous = slopes if kept is None else [g if s is None else s for g, s in zip(grads, kept)]
         terms = [(grads, None)]
-        if want_inner and slopes is not None:
-            terms.append((grads, slopes))
-        fused_norm = vasso and two_pass and slopes is not None and lists.fuse_average_norm
-        if fused_norm:
-            fused_index = len(terms)
-            terms.append((slopes, grads, self.theta))
+        inner_index = None
+        if want_inner and (slopes is not None or kept is not None):
+            inner_index = len(terms)
+            terms.append((grads, slopes if kept is None else
+                          [torch.zeros_like(g) if s is None else s for g, s in zip(grads, kept)]))
+        fused_index = computed = None
+        if vasso and two_pass and previous is not None:
+            if lists.fuse_average_norm:
+                fused_index = len(terms)
+                terms.append((previous, grads, self.theta))
+            elif layout.collective:  # fp16/bf16: d_t as rounded in its dtype, computed before the reduction
+                computed = self._buffers(lists, "next_slope", grads, scratch=True)
+                _copy_(computed, previous)
+                P.update_moving_average(computed, grads, self.theta)
+                fused_index = len(terms)
+                terms.append((computed, None))
         # Where the sums cross ranks, adaptive geometry's ||T v_t|| rides along too (the
         # ascent needs it before the second pass: a collective of its own otherwise).
         tv_index = None
-        if self.adaptive and two_pass and layout.collective and (
-                slopes is not None or not any("slope" in self._own_state.get(q, ()) for q in lists.params)):
+        if self.adaptive and two_pass and layout.collective:
             ts = [P.adaptive_scale(x, self.eta) if m else torch.ones_like(x) for x, m in zip(params, lists.mask)]
             tv_index = len(terms)
             # v_t = d_t from d_{t-1} and g_t; SAM's (and VASSO's d_0) is g_t itself
-            terms.append((slopes, grads, self.theta, ts) if vasso and slopes is not None else (grads, grads, 1.0, ts))
-        values = P.reductions(terms, lists.plan, layout=layout).tolist() if params or layout.collective else [0.0]
+            terms.append((computed, computed, 1.0, ts) if computed is not None else
+                         (previous, grads, self.theta, ts) if vasso and previous is not None else
+                         (grads, grads, 1.0, ts))
+        # partition_group, once the model's exchange is known (built by an earlier second
+        # pass): the sums and every rank's ascent directions travel in one all_gather, and
+        # each rank moves the other owners' parameters itself (docs/design.md, section 7)
+        exchange = self._exchange.get("exchange") if self._partitioned and two_pass else None
+        if exchange is not None:
+            send, directions = exchange.directions(lists.params)
+            if directions:
+                if computed is not None:
+                    _copy_(directions, computed)
+                elif vasso and previous is not None:
+                    _copy_(directions, previous)
+                    P.update_moving_average(directions, grads, self.theta)
+                    if not self.adaptive:  # d_t itself: the slope buffers take it once g_t is known finite
+                        computed = directions
+                else:  # SAM's v_t, and VASSO's d_0 = g_0
+                    _copy_(directions, grads)
+                if self.adaptive:
+                    P.adaptive_direction_(directions, params, lists.mask, self.eta)
+            gathered = exchange.gather(send, P.local_sums(terms, lists.plan, layout), directions is not None)
+            values = P.finish_sums(terms, gathered).tolist()
+            if values.pop() > 0 or not math.isfinite(values[0]):  # nothing moves from the directions:
+                exchange.release()  # a non-finite g_t, or some rank could not place its own (share() them)
+                exchange = None
+        elif params or layout.collective:
+            values = P.reductions(terms, lists.plan, layout=layout).tolist()
+        else:
+            values = [0.0]
         grad_norm = values[0]
         if not math.isfinite(grad_norm):
             self._pending = {"kind": "nonfinite", "scaled": scaled}
@@ -443,14 +492,16 @@ class SharpnessAware(torch.optim.Optimizer):
             return False
         inner_previous = None
         if want_inner:  # <g_t, v_last>, as VASSO's <d_t, d_{t-1}> further down
-            inner_previous = values[1] if slopes is not None else self._inner_with_kept_slopes(lists, grads)
+            inner_previous = (values[inner_index] if inner_index is not None
+                              else self._inner_with_kept_slopes(lists, grads))
 
         if scaled and not two_pass and vasso:  # d_t needs g_t unscaled; .grad stays as the scaler left it
             slopes, slope_norm = self._update_slope(lists, P.unscale(grads, loss_scale, in_place=False),
                                                     grad_norm, two_pass, None)
         else:
             slopes, slope_norm = self._update_slope(lists, grads, grad_norm, two_pass,
-                                                    values[fused_index] if fused_norm else None)
+                                                    values[fused_index] if fused_index is not None else None,
+                                                    computed)
         if vasso and inner_previous is not None:
             inner_previous = P.moving_average_inner(self.theta, self._previous["slope_norm"], inner_previous)
         if not two_pass:
@@ -461,13 +512,13 @@ class SharpnessAware(torch.optim.Optimizer):
         if self.gsam_alpha > 0.0:
             if vasso:  # V+G: the correction takes g_t, which d_t does not keep
                 first_grads = self._buffers(lists, "first_grad", grads, scratch=True)
-                torch._foreach_copy_(first_grads, grads)
+                _copy_(first_grads, grads)
             else:
                 first_grads = slopes
         anchors = None
         if self.exact_restore or self.adaptive or lists.low_precision:
             anchors = self._buffers(lists, "anchor", params, scratch=True)
-            torch._foreach_copy_(anchors, params)
+            _copy_(anchors, params)
 
         # Where the sums cross ranks, the diagnostics' own sums (adaptive ||eps_t||, the
         # buffered stability's inner product) are summed with descend()'s reduction.
@@ -483,25 +534,46 @@ class SharpnessAware(torch.optim.Optimizer):
 
         self._pending = {"kind": "perturbed", "lists": lists, "params": params, "slopes": slopes, "scale": scale,
                          "anchors": anchors, "first_grads": first_grads, "rho": rho, "at_ascent": True,
-                         "scaled": scaled, "exchange": None,
+                         "scaled": scaled, "exchange": None, "second_pass": False,
                          "first_loss": loss.detach() if torch.is_tensor(loss) else loss,
                          "deferred": (torch.cat([part for part, _ in deferred]), [f for _, f in deferred], diag,
                                       self._previous) if deferred else None}
+        if exchange is not None:  # the other owners' parameters, moved as they moved theirs
+            try:
+                self._pending["exchange"] = exchange
+                others, directions = exchange.arrived()
+                P.ascend_along_(others, directions, rho, values[tv_index] if self.adaptive else slope_norm,
+                                adaptive=self.adaptive)
+            except BaseException:
+                self.abandon()
+                raise
         return True
 
+    def _kept_slopes(self, lists: "_StepLists") -> List[Optional[torch.Tensor]]:
+        """Each parameter's slope buffer (its local part), None where it has none yet: for a
+        step whose set of parameters with a gradient changed."""
+        own = self._own_state
+        return [D.local(own[q]["slope"]) if "slope" in own.get(q, ()) else None for q in lists.params]
+
     def _update_slope(self, lists: "_StepLists", grads: List[torch.Tensor], grad_norm: float, two_pass: bool,
-                      fused_norm: Optional[float]):
-        """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built)."""
+                      fused_norm: Optional[float], computed: Optional[List[torch.Tensor]] = None):
+        """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built).
+        ``computed``: VASSO's ``d_t``, computed before the step's reduction (fp16/bf16
+        parameters where the sums cross ranks; under ``partition_group``, the direction
+        the exchange sent), now copied into the slope buffers."""
         slopes = lists.buffers.get("slope")
         if self.theta is None:  # SAM: the slope is g_t, kept only on two-pass steps
             if two_pass:
                 if slopes is None:
                     slopes = self._buffers(lists, "slope", grads)
-                torch._foreach_copy_(slopes, grads)
+                _copy_(slopes, grads)
             return slopes, grad_norm
         # VASSO: d_t is updated on every step, skipped or not (Alg. 2, line 5)
         kept = None
-        if slopes is None:  # new buffers start at d_0 = g_0
+        if computed is not None:
+            slopes = self._buffers(lists, "slope", grads) if slopes is None else slopes
+            _copy_(slopes, computed)
+        elif slopes is None:  # new buffers start at d_0 = g_0
             fresh = {id(q) for q in lists.params if "slope" not in self._own_state.get(q, ())}
             slopes = self._buffers(lists, "slope", grads)
             kept = [i for i, q in enumerate(lists.params) if id(q) not in fresh]
@@ -524,13 +596,11 @@ class SharpnessAware(torch.optim.Optimizer):
         geometry's ``||T v_t||`` when reduced already; ``deferred``: where the partial sum
         of ``||eps_t||`` goes when it is to be reduced with descend()'s (NaN until then)."""
         params = lists.local_params()
+        eps, scale, scaled_norm = P.ascend_(params, slopes, rho, tv_norm if self.adaptive else slope_norm,
+                                            adaptive_mask=lists.mask, eta=self.eta, plan=lists.plan,
+                                            layout=lists.layout)
         if not self.adaptive:
-            scale = P.plain_ascent_scale(rho, slope_norm)
-            torch._foreach_add_(params, slopes, alpha=scale)
             return None, scale, P.plain_ascent_norm(rho, slope_norm), P.estimated_sharpness(rho, slope_norm)
-        eps, scaled_norm = P.ascent_direction(slopes, params, rho, adaptive_mask=lists.mask, eta=self.eta,
-                                              plan=lists.plan, layout=lists.layout, norm=tv_norm)
-        torch._foreach_add_(params, eps)
         sharpness = P.estimated_sharpness(rho, scaled_norm if tv_norm is None else tv_norm)
         if deferred is not None:
             def finish(values, diag, previous):
@@ -569,10 +639,11 @@ class SharpnessAware(torch.optim.Optimizer):
                 inner = scale * P.reductions([(slopes, kept)], lists.plan, layout=lists.layout)[0]
             stability = P.distance_between_ascents(ascent_norm, previous["ascent_norm"], inner)
         if eps is not None:
-            torch._foreach_copy_(kept, eps)
+            _copy_(kept, eps)
         else:
-            torch._foreach_copy_(kept, slopes)
-            torch._foreach_mul_(kept, scale)
+            _copy_(kept, slopes)
+            if kept:
+                torch._foreach_mul_(kept, scale)
         return stability
 
     def _inner_with_kept_slopes(self, lists, grads) -> torch.Tensor:
@@ -593,8 +664,8 @@ class SharpnessAware(torch.optim.Optimizer):
             return
         params = pending["params"]
         if pending["anchors"] is not None:
-            torch._foreach_copy_(params, pending["anchors"])
-        else:
+            _copy_(params, pending["anchors"])
+        elif params:
             torch._foreach_add_(params, pending["slopes"], alpha=-pending["scale"])
         if pending["exchange"] is not None:  # partition_group: the other owners' parameters too
             pending["exchange"].restore()
@@ -648,7 +719,7 @@ class SharpnessAware(torch.optim.Optimizer):
         carries (None once ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's
         verdict on it (``GradScaler.step`` hands both over)."""
         pending = self._pending
-        if pending["kind"] == "perturbed" and self._partitioned and pending["exchange"] is None:
+        if pending["kind"] == "perturbed" and self._partitioned and not pending["second_pass"]:
             self.abandon()  # the second pass ran with the other ranks' parameters at x_t: its h_t is wrong
             raise RuntimeError(_PARTITION_MODEL.replace("the second pass needs", "the second pass ran outside "
                                                         "second_pass(model, rng); it needs"))
@@ -749,8 +820,12 @@ class SharpnessAware(torch.optim.Optimizer):
                 raise ValueError(_PARTITION_MODEL)
             try:  # the other ranks' parameters at x + eps, before the second forward
                 exchange = D.exchange_for(self._exchange, model, self._all_params(), self.partition_group)
-                pending["exchange"] = exchange
-                exchange.share()
+                if pending["exchange"] is not exchange:  # perturb() did not move them for this model
+                    if pending["exchange"] is not None:
+                        pending["exchange"].restore()
+                    pending["exchange"] = exchange
+                    exchange.share()
+                pending["second_pass"] = True
             except BaseException:
                 self.abandon()
                 raise
@@ -1284,14 +1359,13 @@ class _StepLists:
     set of such parameters: the reduction plan, the adaptive mask, whether any is
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
-    __slots__ = ("params", "names", "layout", "unchecked", "plan", "mask", "low_precision", "fuse_average_norm",
+    __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
                  "buffers")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
         self.names = names
         self.layout = layout
-        self.unchecked = True
         locals_ = self.local_params()
         counted = locals_ if layout.counted is None else [locals_[i] for i in layout.counted]
         self.plan = P.chunk_plan(counted)  # over this rank's local parts (uneven shards too)
@@ -1316,6 +1390,14 @@ class _StepLists:
         if not self.layout.sharded:
             return [q.grad for q in self.params]
         return [None if q.grad is None and missing_ok else D.local(q.grad) for q in self.params]
+
+
+def _copy_(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """``torch._foreach_copy_`` for lists that may be empty: under ``partition_group`` a
+    rank whose parameters have no gradient yet (frozen, or not in the forward) takes part
+    in the step's collectives with nothing of its own."""
+    if destinations:
+        torch._foreach_copy_(destinations, sources)
 
 
 def _loss_gap(first, second):

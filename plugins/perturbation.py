@@ -95,11 +95,18 @@ def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, *
         partial = torch.cat([partial] + extra)
     if layout is not None and layout.collective:
         layout.all_reduce(partial)
-    is_norm = [len(t) >= 3 or t[1] is None for t in terms] + [False] * (partial.numel() - len(terms))
+    return finish_sums(terms, partial)
+
+
+def finish_sums(terms: Sequence[tuple], sums: torch.Tensor) -> torch.Tensor:
+    """The terms of :func:`reductions` from their global sums (the partial sums summed
+    over the ranks, however): the square roots of the norm terms; entries past the
+    terms (``extra``) as they are."""
+    is_norm = [len(t) >= 3 or t[1] is None for t in terms] + [False] * (sums.numel() - len(terms))
     if not any(is_norm):
-        return partial
+        return sums
     # the roots entry by entry: a mask tensor would be a host-to-device copy per call
-    return torch.stack([v.clamp(min=0.0).sqrt() if n else v for v, n in zip(partial.unbind(0), is_norm)])
+    return torch.stack([v.clamp(min=0.0).sqrt() if n else v for v, n in zip(sums.unbind(0), is_norm)])
 
 
 def local_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
@@ -182,7 +189,8 @@ def dot(xs: Tensors, ys: Tensors, layout=None) -> torch.Tensor:
 
 def update_moving_average(averages: Tensors, grads: Tensors, theta: float) -> None:
     """VASSO's slope, in place: ``d <- (1 - theta) * d + theta * g`` (paper eq. 4a)."""
-    torch._foreach_lerp_(list(averages), list(grads), theta)
+    if len(averages):
+        torch._foreach_lerp_(list(averages), list(grads), theta)
 
 
 def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: float) -> float:
@@ -232,12 +240,63 @@ def ascent_direction(
         return scaled, torch.zeros((), dtype=torch.float64)
     else:
         norm = global_norm(scaled, plan, layout)  # ``plan``/``layout``: see :func:`reductions`
-    factor = torch.where(norm > 0.0, rho / norm, torch.zeros_like(norm))  # 0 when v == 0
     for tv, t in zip(scaled, scales):
         if t is not None:
             tv.mul_(t)  # T (T v) = T^2 v
-    torch._foreach_mul_(scaled, factor.float())
+    if scaled:
+        torch._foreach_mul_(scaled, _ascent_factor(rho, norm))
     return scaled, norm
+
+
+def _ascent_factor(rho: float, norm: torch.Tensor) -> torch.Tensor:
+    """``rho / norm`` as a float32 device tensor, 0 when ``norm == 0`` (``v == 0``)."""
+    return torch.where(norm > 0.0, rho / norm, torch.zeros_like(norm)).float()
+
+
+def adaptive_direction_(slopes: Tensors, params: Tensors, adaptive_mask: Sequence[bool], eta: float) -> None:
+    """``v <- T^2 v`` in place, ``T = |x| + eta`` where ``adaptive_mask`` is True (1
+    elsewhere), multiplied as :func:`ascent_direction` multiplies: adaptive geometry's
+    ascent is ``rho / ||T v||`` times this."""
+    for v, x, m in zip(slopes, params, adaptive_mask):
+        if m:
+            t = adaptive_scale(x, eta)
+            v.mul_(t).mul_(t)
+
+
+def ascend_along_(params: Tensors, directions: Tensors, rho: float, norm: float, *, adaptive: bool) -> None:
+    """Move ``params`` to ``x + eps`` in place from their ascent directions, as their
+    owner moved them with :func:`ascend_` (``partition_group``: each rank moves the
+    other owners' parameters itself): ``directions`` is ``v`` with ``norm = ||v||``
+    (plain geometry), or ``T^2 v`` (:func:`adaptive_direction_`) with ``norm = ||T v||``."""
+    params, directions = list(params), list(directions)
+    if not adaptive or not params:
+        ascend_(params, directions, rho, norm)
+        return
+    factor = _ascent_factor(rho, torch.full((), norm, dtype=torch.float64, device=params[0].device))
+    torch._foreach_add_(params, torch._foreach_mul(directions, factor))
+
+
+def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
+             adaptive_mask: Optional[Sequence[bool]] = None, eta: float = 0.01,
+             plan: Optional[List[List[int]]] = None, layout=None):
+    """Move ``params`` to ``x + eps`` in place (the ascent of :func:`ascent_direction`).
+
+    Plain geometry (``adaptive_mask`` None): ``x += s v`` with ``s = rho / ||v||``,
+    ``norm`` being ``||v||`` (a float), without materializing ``eps``; returns
+    ``(None, s, None)``.  Adaptive geometry: ``norm`` is ``||T v||`` when reduced
+    already (None: reduced here, over ``plan``/``layout``); returns
+    ``(eps, None, ||T v||)``, the norm a 0-dim float64 tensor."""
+    params, slopes = list(params), list(slopes)
+    if adaptive_mask is None:
+        scale = plain_ascent_scale(rho, norm)
+        if params:
+            torch._foreach_add_(params, slopes, alpha=scale)
+        return None, scale, None
+    eps, scaled_norm = ascent_direction(slopes, params, rho, adaptive_mask=adaptive_mask, eta=eta, plan=plan,
+                                        layout=layout, norm=norm)
+    if params:
+        torch._foreach_add_(params, eps)
+    return eps, None, scaled_norm
 
 
 def plain_ascent_scale(rho: float, slope_norm: float) -> float:

@@ -230,23 +230,32 @@ class CountWaits:
                                                                                             or ev[i + 1] != "read")))
 
 
-def counted_run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=None):
-    """``run`` step by step, returning each step's host waits and whether it had two passes."""
-    ours = explicit_opt or opt
+def counted_steps(opt, model, data, api, *, before_step=None, **kw):
+    """``run`` step by step under CountWaits: each step's (waits, two_pass, events, sharpness,
+    how many of the model's parameters have a gradient); ``before_step(t)`` runs before step t."""
+    ours = kw.get("explicit_opt") or opt
     counts = []
-    for batch in data:
+    for t, batch in enumerate(data):
+        if before_step is not None:
+            before_step(t)
         with CountWaits() as waits:
-            run(opt, model, [batch], api, step_model=step_model, finish=finish, explicit_opt=explicit_opt,
-                read=False)
-        counts.append((waits.waits, ours.diagnostics["two_pass"], waits.events))
+            run(opt, model, [batch], api, read=False, **kw)
+        counts.append((waits.waits, ours.diagnostics["two_pass"], waits.events, ours.diagnostics["sharpness"],
+                       sum(q.grad is not None for q in model.parameters())))
     return counts
+
+
+def _zero(kind, params, **extra):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    cls, knobs = VARIANTS[kind]
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, base_optimizer=torch.optim.SGD,
+                                   partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs, **extra)
 
 
 def host_waits():
     """Each member, both APIs, under DDP, FSDP2 and ZeRO, over SGD (whose step reads
     nothing): the host waits of every step after the first (whose one-time checks and
     set-ups wait more), the diagnostics unread."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _, init_device_mesh = _fsdp()
@@ -254,19 +263,157 @@ def host_waits():
     data = (my_slice(batches(world)) * 2)[:6]
     out = {}
     for kind in VARIANTS:
-        cls, knobs = VARIANTS[kind]
         for api in ("closure", "explicit"):
             model = DDP(make_model())
             opt = build(kind, model.parameters(), torch.optim.SGD)
-            out[("DDP", kind, api)] = counted_run(opt, model, data, api)[1:]
+            out[("DDP", kind, api)] = counted_steps(opt, model, data, api)[1:]
             model = shard(make_model(), init_device_mesh("cpu", (world,)), True)
             opt = build(kind, model.parameters(), torch.optim.SGD)
-            out[("FSDP2", kind, api)] = counted_run(opt, model, data, api)[1:]
+            out[("FSDP2", kind, api)] = counted_steps(opt, model, data, api)[1:]
             model = DDP(make_model())
-            zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.SGD,
-                                           partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
-            out[("ZeRO", kind, api)] = counted_run(zero, model, data, api, step_model=model, finish=zero.step,
+            zero = _zero(kind, model.parameters())
+            out[("ZeRO", kind, api)] = counted_steps(zero, model, data, api, step_model=model, finish=zero.step,
                                                    explicit_opt=zero.optim)[1:]
+    return out
+
+
+def low_precision_vasso():
+    """VASSO with bf16 parameters (its d_t rounded to bf16: the norm is d_t's as rounded)
+    under FSDP2 and ZeroRedundancyOptimizer, against one process in bf16:
+    {(setting, kind): (relative error of the weights, the reference's sharpness per
+    step, each step's counted_steps)}.  ZeRO without DDP: every rank computes the whole
+    batch's gradient, as one process does."""
+    _, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = [(x.bfloat16(), y) for x, y in (batches(world) * 2)[:6]]
+    out = {}
+    for kind in ("VASSO", "adaptive eVASSO"):
+        ref_model = make_model().bfloat16()
+        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+        ref_diags = run(ref_opt, ref_model, data, "explicit")
+        ref = [w.detach().float() for w in ref_model.parameters()]
+        for setting in ("FSDP2", "ZeRO"):
+            if setting == "FSDP2":
+                model = shard(make_model().bfloat16(), init_device_mesh("cpu", (world,)), True)
+                opt = build(kind, model.parameters(), torch.optim.SGD)
+                counts = counted_steps(opt, model, my_slice(data), "explicit")
+            else:
+                model = make_model().bfloat16()
+                opt = _zero(kind, model.parameters())
+                counts = counted_steps(opt, model, data, "explicit", finish=opt.step, explicit_opt=opt.optim)
+                opt = opt.optim
+            out[(setting, kind)] = (compare([w.float() for w in full(model.parameters())], ref),
+                                    [d["sharpness"] for d in ref_diags], counts)
+    return out
+
+
+LATE = 3  # the step at which LateBranch's branch joins the forward
+
+
+class LateBranch(torch.nn.Module):
+    """make_model() and a branch that joins the forward at step LATE: its parameters get
+    their first gradient there, beside parameters whose slopes are kept (a layer
+    unfrozen mid-run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        torch.manual_seed(5)
+        self.extra = torch.nn.Linear(6, 3)
+        self.on = False
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + self.extra(x) if self.on else out
+
+
+def gradient_set_change():
+    """A parameter's first gradient at step LATE, under FSDP2 and ZeroRedundancyOptimizer,
+    against one process: {(setting, kind): (relative error, each step's (waits,
+    two_pass, events))}.  ZeRO without DDP (whose buckets would not take an unused
+    branch): every rank computes the whole batch's gradient."""
+    fully_shard, init_device_mesh = _fsdp()
+    world = dist.get_world_size()
+    data = (batches(world) * 2)[:6]
+    out = {}
+    for kind in ("SAM", "VASSO", "ASAM", "V+G"):
+        ref_model = LateBranch()
+        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+        for t, batch in enumerate(data):
+            ref_model.on = t >= LATE
+            run(ref_opt, ref_model, [batch], "explicit")
+        ref = [p.detach().clone() for p in ref_model.parameters()]
+
+        model = LateBranch()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model.body[0], model.body[2], model.extra):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = build(kind, model.parameters(), torch.optim.SGD)
+        counts = counted_steps(opt, model, my_slice(data), "explicit",
+                               before_step=lambda t: setattr(model, "on", t >= LATE))
+        out[("FSDP2", kind)] = (compare(full(model.parameters()), ref), counts)
+
+        model = LateBranch()
+        zero = _zero(kind, model.parameters())
+        counts = counted_steps(zero, model, data, "explicit", finish=zero.step, explicit_opt=zero.optim,
+                               before_step=lambda t: setattr(model, "on", t >= LATE))
+        out[("ZeRO", kind)] = (compare(full(model.parameters()), ref), counts)
+
+        # split by hand: rank 0 optimizes the body, rank 1 the branch, so rank 1 holds no
+        # gradient before step LATE and its set alone changes there
+        model = LateBranch()
+        owner = {id(p): 0 for p in model.body.parameters()} | {id(p): 1 for p in model.extra.parameters()}
+        cls, knobs = VARIANTS[kind]
+        mine = [p for p in model.parameters() if owner[id(p)] == dist.get_rank() % 2]
+        opt = cls(mine, torch.optim.SGD, rho=0.2, lr=1e-2, partition_group=dist.group.WORLD, **knobs)
+
+        def descend_and_sync():  # what ZeRO's step does after ours: each owner sends its parameters
+            opt.descend()
+            for p in model.parameters():
+                dist.broadcast(p.data, src=owner[id(p)])
+        counts = counted_steps(opt, model, data, "explicit", finish=descend_and_sync,
+                               before_step=lambda t: setattr(model, "on", t >= LATE))
+        out[("hand-split", kind)] = (compare(full(model.parameters()), ref), counts)
+    return out
+
+
+def exchange_fallbacks():
+    """ZeroRedundancyOptimizer (SAM and ASAM, explicit API) once perturb() moves the other
+    owners' parameters itself: a second pass given another model than the exchange's
+    (the model inside a container holding one more parameter) shares the parameters
+    instead, and a second pass that raises leaves every rank at x_t.  {kind: (relative
+    error against one process, how far the parameters are from x_t after the exception,
+    no step in flight)}."""
+    world = dist.get_world_size()
+    data = (batches(world) * 2)[:5]
+    out = {}
+    for kind in ("SAM", "ASAM"):
+        ref_model = make_model()
+        run(build(kind, ref_model.parameters(), torch.optim.SGD), ref_model, data[:4], "explicit")
+        model = make_model()
+        zero = _zero(kind, model.parameters())
+        outer = torch.nn.ModuleList([model, torch.nn.Linear(1, 1)])  # its extra parameter: no rank's
+        for t, (x, y) in enumerate(data):
+            rng = rng_state()
+            before = [p.detach().clone() for p in model.parameters()]
+            zero.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            assert zero.optim.perturb()
+            zero.zero_grad()
+            if t < 4:
+                with zero.optim.second_pass(outer if t in (2, 3) else model, rng):
+                    F.cross_entropy(model(x), y).backward()
+                zero.step()
+            else:
+                try:
+                    with zero.optim.second_pass(model, rng):
+                        raise KeyError("a failing second pass")
+                except KeyError:
+                    pass
+                # plain geometry puts its own back by subtracting the ascent (to rounding)
+                back = max(float((a - b).abs().max()) for a, b in zip(before, model.parameters()))
+        out[kind] = (compare(before, [p.detach() for p in ref_model.parameters()]), back, not zero.optim.in_flight)
     return out
 
 
@@ -490,4 +637,5 @@ def two_rank_checks():
     """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
     wrong use."""
     return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
-            "refusals": refusals()}
+            "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change(),
+            "exchange fallbacks": exchange_fallbacks()}
