@@ -482,9 +482,12 @@ class SharpnessAware(torch.optim.Optimizer):
                     P.adaptive_direction_(directions, params, lists.mask, self.eta)
             gathered = exchange.gather(send, P.local_sums(terms, lists.plan, layout), directions is not None)
             values = P.finish_sums(terms, gathered).tolist()
-            if values.pop() > 0 or not math.isfinite(values[0]):  # nothing moves from the directions:
+            incomplete = values.pop() > 0
+            if incomplete or not math.isfinite(values[0]):  # nothing moves from the directions:
                 exchange.release()  # a non-finite g_t, or some rank could not place its own (share() them)
                 exchange = None
+                if incomplete:  # its optimizer holds a parameter the exchange does not: every rank
+                    self._exchange.clear()  # builds it anew in second_pass() (collectively), then shares
         elif params or layout.collective:
             values = P.reductions(terms, lists.plan, layout=layout).tolist()
         else:
