@@ -29,10 +29,10 @@ eVASSO (p < 1)                              ``slope`` + ``previous_ascent`` (onl
 + adaptive geometry                         + ``anchor`` (x_t: T cannot be recomputed
                                             at x_t + eps) + ``previous_ascent``
                                             (diagnostic)
-fp16 / bf16 parameters                      + ``anchor`` (exact restore)
-+ VASSO with fp16 / bf16 parameters where   + ``next_slope`` (d_t computed before the
-  the sums cross ranks (FSDP2, ZeRO)          step's one reduction, so that its norm
-                                            as rounded rides along)
+fp16 / bf16 parameters                      + ``anchor`` (exact restore; VASSO first
+                                            computes d_t there, before the step's one
+                                            reduction, so that its norm as rounded
+                                            rides along: no buffer of its own)
 ==========================================  =========================================
 
 The restore of plain geometry with fp32 parameters subtracts the same ``s * v``
@@ -439,11 +439,15 @@ class SharpnessAware(torch.optim.Optimizer):
                           [torch.zeros_like(g) if s is None else s for g, s in zip(grads, kept)]))
         fused_index = computed = None
         if vasso and two_pass and previous is not None:
-            if lists.fuse_average_norm:
+            if lists.fuse_average_norm and not lists.low_precision:
                 fused_index = len(terms)
                 terms.append((previous, grads, self.theta))
-            elif layout.collective:  # fp16/bf16: d_t as rounded in its dtype, computed before the reduction
-                computed = self._buffers(lists, "next_slope", grads, scratch=True)
+            elif lists.fuse_average_norm:
+                # fp16/bf16: d_t as rounded in its dtype (a float32 formula would agree only
+                # to their rounding), computed before the reduction so that its norm rides
+                # along, into the anchor buffers: they hold x_t only from after the slope
+                # buffers took d_t (g_t finite) until the restore
+                computed = self._buffers(lists, "anchor", params, scratch=True)
                 _copy_(computed, previous)
                 P.update_moving_average(computed, grads, self.theta)
                 fused_index = len(terms)
@@ -478,9 +482,12 @@ class SharpnessAware(torch.optim.Optimizer):
                     P.adaptive_direction_(directions, params, lists.mask, self.eta)
             gathered = exchange.gather(send, P.local_sums(terms, lists.plan, layout), directions is not None)
             values = P.finish_sums(terms, gathered).tolist()
-            if values.pop() > 0 or not math.isfinite(values[0]):  # nothing moves from the directions:
+            incomplete = values.pop() > 0
+            if incomplete or not math.isfinite(values[0]):  # nothing moves from the directions:
                 exchange.release()  # a non-finite g_t, or some rank could not place its own (share() them)
                 exchange = None
+                if incomplete:  # its optimizer holds a parameter the exchange does not: every rank
+                    self._exchange.clear()  # builds it anew in second_pass() (collectively), then shares
         elif params or layout.collective:
             values = P.reductions(terms, lists.plan, layout=layout).tolist()
         else:
@@ -559,8 +566,8 @@ class SharpnessAware(torch.optim.Optimizer):
                       fused_norm: Optional[float], computed: Optional[List[torch.Tensor]] = None):
         """The slope buffers after this step and ``||v_t||`` (NaN where no ascent is built).
         ``computed``: VASSO's ``d_t``, computed before the step's reduction (fp16/bf16
-        parameters where the sums cross ranks; under ``partition_group``, the direction
-        the exchange sent), now copied into the slope buffers."""
+        parameters, in the anchor buffers; under ``partition_group``, the direction the
+        exchange sent), now copied into the slope buffers."""
         slopes = lists.buffers.get("slope")
         if self.theta is None:  # SAM: the slope is g_t, kept only on two-pass steps
             if two_pass:
@@ -585,7 +592,7 @@ class SharpnessAware(torch.optim.Optimizer):
             return slopes, _NAN  # a skipped step needs no ||d_t||
         if fused_norm is not None:
             return slopes, fused_norm
-        if kept == [] and not lists.low_precision:  # every d_0 = g_0, copied exactly: ||d_0|| = ||g_0||
+        if kept == []:  # every d_0 = g_0, copied exactly (in g's dtype): ||d_0|| = ||g_0||
             return slopes, grad_norm
         return slopes, float(P.global_norm(slopes, lists.plan, lists.layout))
 
@@ -1374,12 +1381,13 @@ class _StepLists:
         # VASSO's ||d_t|| from the first reduction saves a host sync but costs a pass that
         # writes d_t's size: worth it on accelerators, and on the CPU (where a "sync"
         # costs nothing) only when every tensor is copied into a flat chunk anyway.
-        # Not for fp16/bf16: their d_t is rounded to their precision after the update.
-        # Where the sums cross ranks, a separate norm would cost a collective too: always
-        # fuse there (decided from the global sizes, so every rank reduces the same terms).
+        # (fp16/bf16, whose d_t is rounded to their precision by the update: the norm of
+        # d_t computed before the reduction.)  Where the sums cross ranks, a separate norm
+        # would cost a collective too: always fuse there (decided from the global sizes,
+        # so every rank reduces the same terms).
         all_flat = all(q.numel() < P.FLAT_BELOW for q in params)
         on_cpu = all(q.device.type == "cpu" for q in params)
-        self.fuse_average_norm = not self.low_precision and (all_flat or not on_cpu or layout.collective)
+        self.fuse_average_norm = all_flat or not on_cpu or layout.collective
         self.buffers: Dict[str, List[torch.Tensor]] = {}
 
     def local_params(self) -> List[torch.Tensor]:

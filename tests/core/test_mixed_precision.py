@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from plugins import SAM, VASSO
+from plugins import optimizer as O
 from plugins.lab.selftest.checks import scaled_step
 from plugins.perturbation import rng_state, second_pass_coin
 from core_helpers import CountSyncs, build, flat, make_batches, make_model
@@ -355,6 +356,58 @@ def test_bf16_parameters_train_and_are_restored_exactly(device, kind):
     assert losses[-1] < 0.7 * losses[0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["VASSO", "eVASSO", "V+G", "adaptive eVASSO"])
+def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_after(monkeypatch, kind, dtype):
+    """fp16/bf16 VASSO computes d_t before the step's one reduction (in the anchor
+    buffers) so that the norm of d_t as rounded rides along: the same weights, slopes and
+    diagnostics, bit for bit, as updating d_t in place and reading its norm after (the
+    path a CPU model with large tensors takes), a non-finite g_t included."""
+    def run():
+        model = make_model().to(dtype)
+        opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+        syncs, diags = [], []
+        for t, (x, y) in enumerate(make_batches(8)):
+            def closure():
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x.to(dtype)).float(), y)
+                loss.backward()
+                if t == 3 and opt.in_flight is False:  # the first pass's g_t of step 3
+                    model[0].weight.grad[0, 0] = INF
+                return loss
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with CountSyncs() as counted:
+                    opt.step(closure)
+            syncs.append(counted.count)
+            diags.append(dict(opt.diagnostics))
+        slopes = [opt.state[q]["sam_slope"] for q in model.parameters()]
+        return flat(model.parameters()), flat(slopes), diags, syncs, opt.nonfinite_steps
+
+    fused = run()
+    with monkeypatch.context() as m:
+        m.setattr(O, "_StepLists", _SeparateNorm)
+        separate = run()
+    assert torch.equal(fused[0], separate[0]) and torch.equal(fused[1], separate[1])
+    assert str(fused[2]) == str(separate[2])  # every value, NaN included
+    assert fused[4] == separate[4] == 1
+    # the two paths differ: the separate norm is one more sync on every two-pass step but
+    # the first (whose ||d_0|| = ||g_0|| comes with the reduction either way)
+    two_pass = [d["two_pass"] == 1.0 for d in fused[2]]
+    assert sum(two_pass[1:]) >= 3 and fused[3] == [2 if tp else 1 for tp in two_pass]
+    assert separate[3] == [f + int(tp and t > 0) for t, (f, tp) in enumerate(zip(fused[3], two_pass))]
+
+
+class _SeparateNorm(O._StepLists):
+    """The step's lists with VASSO's ||d_t|| read after the update (as a CPU model with
+    large tensors does)."""
+    __slots__ = ()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fuse_average_norm = False
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_autocast_trains_through_the_closure_api(device):
     run = Run("VASSO", device, "closure", autocast=torch.bfloat16, lr=0.2, rho=0.05)
@@ -418,21 +471,24 @@ def test_a_scaler_must_be_a_grad_scaler():
 # ------------------------------------------------------------------ host syncs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("kind", KINDS + ["eSAM"])
-def test_host_syncs_per_step_on_every_path(api, scaled, kind):
+def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
     """At most 2 per two-pass step (perturb 1, the finish 1), 1 per step the coin skips,
-    with or without a scaler, in both APIs; the scaler's own calls add none (SGD: no sync)."""
-    model = make_model(dropout=0.1)
+    with or without a scaler, in both APIs, with fp32, bf16 or fp16 parameters; the
+    scaler's own calls add none (SGD: no sync)."""
+    model = make_model(dropout=0.1).to(dtype)
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
     scaler = make_scaler("cpu", init_scale=2.0 ** 8) if scaled else None
     counts, expected = [], []
     for t, (x, y) in enumerate(make_batches(6)):
         expected.append(2 if second_pass_coin(opt.p, opt.seed, t) else 1)
+        x = x.to(dtype)
 
         def backward():
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x).float(), y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             return loss
 

@@ -150,13 +150,15 @@ def syncs_per_step(opt, model, batches, **step_kw):
 
 
 # The documented figures (docs/design.md, section 7): perturb() 1, descend() 1, the loss gap
-# and the other device-side diagnostics none until read (then 1 for all of them).
+# and the other device-side diagnostics none until read (then 1 for all of them); with
+# fp16/bf16 parameters too (VASSO's ||d_t|| of d_t as rounded rides along with the first).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", FAMILY)
-def test_host_synchronizations_per_step(kind):
-    model = make_model(dropout=0.1)
-    opt = build(kind, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1)
+def test_host_synchronizations_per_step(kind, dtype):
+    model = make_model(dropout=0.1).to(dtype)
+    opt = build(kind, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1, eps=1e-4)  # 1e-8 is 0 in fp16
     two_pass = []
-    own, calls, reads = syncs_per_step(opt, model, make_batches(6))
+    own, calls, reads = syncs_per_step(opt, model, [(x.to(dtype), y) for x, y in make_batches(6)])
     opt2 = build(kind, make_model(dropout=0.1).parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1)
     for t in range(6):  # the coin is a function of (seed, step): the same draws
         two_pass.append(second_pass_coin(opt2.p, opt2.seed, t))

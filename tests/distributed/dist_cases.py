@@ -279,10 +279,12 @@ def host_waits():
 
 def low_precision_vasso():
     """VASSO with bf16 parameters (its d_t rounded to bf16: the norm is d_t's as rounded)
-    under FSDP2 and ZeroRedundancyOptimizer, against one process in bf16:
+    under DDP, FSDP2 and ZeroRedundancyOptimizer, against one process in bf16:
     {(setting, kind): (relative error of the weights, the reference's sharpness per
     step, each step's counted_steps)}.  ZeRO without DDP: every rank computes the whole
     batch's gradient, as one process does."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     _, init_device_mesh = _fsdp()
     world = dist.get_world_size()
     data = [(x.bfloat16(), y) for x, y in (batches(world) * 2)[:6]]
@@ -292,8 +294,12 @@ def low_precision_vasso():
         ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
         ref_diags = run(ref_opt, ref_model, data, "explicit")
         ref = [w.detach().float() for w in ref_model.parameters()]
-        for setting in ("FSDP2", "ZeRO"):
-            if setting == "FSDP2":
+        for setting in ("DDP", "FSDP2", "ZeRO"):
+            if setting == "DDP":
+                model = DDP(make_model().bfloat16())
+                opt = build(kind, model.parameters(), torch.optim.SGD)
+                counts = counted_steps(opt, model, my_slice(data), "explicit")
+            elif setting == "FSDP2":
                 model = shard(make_model().bfloat16(), init_device_mesh("cpu", (world,)), True)
                 opt = build(kind, model.parameters(), torch.optim.SGD)
                 counts = counted_steps(opt, model, my_slice(data), "explicit")
@@ -414,6 +420,47 @@ def exchange_fallbacks():
                 # plain geometry puts its own back by subtracting the ascent (to rounding)
                 back = max(float((a - b).abs().max()) for a, b in zip(before, model.parameters()))
         out[kind] = (compare(before, [p.detach() for p in ref_model.parameters()]), back, not zero.optim.in_flight)
+    return out
+
+
+def late_owner():
+    """A parameter joins one rank's optimizer after the exchange was built: split by hand,
+    rank 0 optimizes the body's first layer, rank 1 its second and, from step LATE on
+    (``add_param_group`` on rank 1 alone), the branch that joins the forward there.  At
+    that step rank 1 cannot place the branch's direction in the exchange's buffer: it
+    says so in perturb()'s all_gather, every rank shares the parameters instead (and
+    builds the exchange anew for the next step).  Against one process: {kind: (relative
+    error, each step's counted_steps)}."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    data = (batches(world) * 2)[:6]
+    out = {}
+    for kind in ("SAM", "VASSO", "ASAM"):
+        ref_model = LateBranch()
+        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+        for t, batch in enumerate(data):
+            ref_model.on = t >= LATE
+            run(ref_opt, ref_model, [batch], "explicit")
+        ref = [p.detach().clone() for p in ref_model.parameters()]
+
+        model = LateBranch()
+        owner = ({id(p): 0 for p in model.body[0].parameters()} | {id(p): 1 for p in model.body[2].parameters()}
+                 | {id(p): 1 for p in model.extra.parameters()})
+        cls, knobs = VARIANTS[kind]
+        opt = cls([p for p in model.body.parameters() if owner[id(p)] == rank], torch.optim.SGD, rho=0.2,
+                  lr=1e-2, partition_group=dist.group.WORLD, **knobs)
+
+        def before_step(t):
+            model.on = t >= LATE
+            if t == LATE and rank == 1:
+                opt.add_param_group({"params": list(model.extra.parameters())})
+
+        def descend_and_sync():  # each owner sends its parameters, as ZeRO's step does after ours
+            opt.descend()
+            for p in model.parameters():
+                dist.broadcast(p.data, src=owner[id(p)])
+        counts = counted_steps(opt, model, data, "explicit", finish=descend_and_sync, before_step=before_step)
+        out[kind] = (compare(full(model.parameters()), ref), counts)
     return out
 
 
@@ -638,4 +685,4 @@ def two_rank_checks():
     wrong use."""
     return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
             "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change(),
-            "exchange fallbacks": exchange_fallbacks()}
+            "exchange fallbacks": exchange_fallbacks(), "late owner": late_owner()}

@@ -43,14 +43,14 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
 
 
 def test_low_precision_vasso_waits_twice_and_takes_the_norm_of_d_t_as_rounded(ranks):
-    """VASSO with bf16 parameters (d_t rounded to bf16 after its update): where the sums
-    cross ranks d_t is computed before the step's reduction and its norm rides along,
-    so FSDP2 and ZeRO wait twice per two-pass step, as fp32 does (ZeRO: after its first
-    two-pass step, which builds the exchange).  Against one process in bf16: ZeRO
-    (every rank computing the whole batch's gradient, as one process does) gives its
-    weights bit for bit; FSDP2 (whose gradients are averaged over the ranks in bf16)
-    to bf16 rounding, with the one-process sharpness (a norm over one rank's shard
-    would be ~30% short)."""
+    """VASSO with bf16 parameters (d_t rounded to bf16 after its update): d_t is computed
+    before the step's reduction and its norm rides along, so DDP, FSDP2 and ZeRO wait
+    twice per two-pass step, as fp32 does (DDP: after its first step, which checks the
+    replicas; ZeRO: after its first two-pass step, which builds the exchange).  Against
+    one process in bf16: ZeRO (every rank computing the whole batch's gradient, as one
+    process does) gives its weights bit for bit; DDP and FSDP2 (whose gradients are
+    averaged over the ranks in bf16) to bf16 rounding, with the one-process sharpness (a
+    norm over one rank's shard would be ~30% short)."""
     for rank in ranks:
         for (setting, kind), (error, ref_sharpness, steps) in rank["bf16 VASSO"].items():
             if setting == "ZeRO":
@@ -59,7 +59,7 @@ def test_low_precision_vasso_waits_twice_and_takes_the_norm_of_d_t_as_rounded(ra
                 later = steps[first + 1:]
             else:
                 assert error <= 1e-2, (kind, error)
-                later = steps
+                later = steps[1:] if setting == "DDP" else steps
             assert any(step[1] for step in later), (setting, kind)
             for waits, two_pass, events, *_ in later:
                 assert waits == (2 if two_pass else 1), (setting, kind, waits, two_pass, events)
@@ -99,6 +99,25 @@ def test_zero_falls_back_to_sharing_for_another_model_and_abandons_on_an_excepti
     for rank in ranks:
         for kind, (error, distance, idle) in rank["exchange fallbacks"].items():
             assert error <= 1e-6 and distance <= 1e-7 and idle, (kind, error, distance, idle)
+
+
+def test_a_parameter_joining_one_ranks_optimizer_makes_every_rank_share_then_rebuild_the_exchange(ranks):
+    """Split by hand, the exchange built at the first step: at step LATE a branch joins
+    the forward and rank 1's optimizer (add_param_group on rank 1 alone).  Rank 1 cannot
+    place its direction, says so in perturb()'s all_gather, and every rank shares the
+    parameters and builds the exchange anew in second_pass() (rank 0 alone would keep the
+    old one: its collectives would not match rank 1's); the run matches one process, and
+    the next steps wait twice again."""
+    from dist_cases import LATE
+
+    for rank in ranks:
+        for kind, (error, steps) in rank["late owner"].items():
+            assert error <= 1e-5, (kind, error)
+            assert [step[4] for step in steps] == [4] * LATE + [6] * (len(steps) - LATE), kind
+            assert all(step[1] for step in steps), kind  # every step two-pass (p = 1)
+            waits = [step[0] for step in steps]
+            # the first step and step LATE set the exchange up (and share); the others wait twice
+            assert waits[LATE] > 2 and waits[1:LATE] + waits[LATE + 1:] == [2] * (len(steps) - 2), (kind, waits)
 
 
 # ------------------------------------------------------------------ mixed precision
