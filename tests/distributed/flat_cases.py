@@ -177,3 +177,108 @@ def wrong_use(group):
     params = list(split.parameters())[dist.get_rank()::dist.get_world_size()]
     out["ZeRO-like split"] = first_step(params, lambda: F.cross_entropy(split(x), y))
     return out
+
+
+# ------------------------------------------------------------------ fairseq's checkpoint under fully_sharded
+
+
+class _fresh_all_gather_outputs:
+    """fairscale's ``_gather_optim_state`` gathers every buffer (``exp_avg``, ``exp_avg_sq``,
+    ``sam_slope``) into one reused list of outputs and keeps ``x.cpu()`` of each: a copy from
+    a GPU, the same tensor on the CPU, where every buffer would then alias the last one.
+    Inside this block ``all_gather`` fills fresh outputs into the caller's list, which gives
+    the CPU the GPU's semantics (fairscale's own code runs otherwise unchanged)."""
+
+    def __enter__(self):
+        self.real = real = dist.all_gather
+
+        def all_gather(outputs, tensor, *args, **kwargs):
+            fresh = [torch.empty_like(o) for o in outputs]
+            work = real(fresh, tensor, *args, **kwargs)
+            outputs[:] = fresh
+            return work
+
+        dist.all_gather = all_gather
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather = self.real
+
+
+def fairseq_checkpoint():
+    """fairseq's ``--ddp-backend fully_sharded`` checkpoint path, with fairscale's real FSDP
+    (its forward needs CUDA, its optimizer-state consolidation does not): ``--optimizer
+    vasso`` over FSDP's flat shards takes 3 steps (gradients set by hand), fairscale's
+    ``gather_full_optim_state_dict`` consolidates its state dict on rank 0 (what fairseq saves
+    without ``--use-sharded-state``), and a new optimizer loads this rank's shard of it
+    through ``get_shard_from_optim_state_dict`` (what fairseq does on resume); both then take
+    the same step.  Returns what the test asserts on."""
+    import copy
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from omegaconf import OmegaConf
+
+    import fairseq  # noqa: F401  (first: importing fairseq_vasso then registers the optimizers, as --user-dir does)
+    import fairseq_vasso  # noqa: F401
+    from fairseq_vasso.optimizer import FairseqVASSO
+
+    cfg = OmegaConf.create({
+        "rho": 0.1, "theta": 0.4, "adaptive": False, "adaptive_eta": 0.01, "gsam_alpha": 0.0, "perturb_prob": 1.0,
+        "rho_min": None, "seed": 3, "lr": [1e-2], "fp16": False, "amp": False, "ddp_backend": "fully_sharded",
+        "adam_betas": "(0.9, 0.98)", "adam_eps": 1e-8, "weight_decay": 1e-4})
+    rank = dist.get_rank()
+
+    def build():
+        torch.manual_seed(0)
+        model = FSDP(make_model(), compute_device=torch.device("cpu"), flatten_parameters=True,
+                     state_dict_device=torch.device("cpu"))
+        return model, FairseqVASSO(cfg, list(model.parameters()))
+
+    def step(model, opt, t):
+        g = torch.Generator().manual_seed(100 * rank + t)
+
+        def slices():  # this rank's slice of g_t, then of h_t: zero in the padding, as FSDP's reduce-scatter
+            for p, pad in zip(model.parameters(), model.numel_padded_per_param):
+                p.grad = torch.randn(p.shape, generator=g)
+                p.grad[p.numel() - pad:] = 0.0
+
+        slices()
+        if opt.perturb():
+            slices()
+        opt.step()
+
+    model, opt = build()
+    out = {"model_gathers": opt.core._model_gathers,
+           "shard sizes": [p.numel() for p in model.parameters()]}
+    for t in range(3):
+        step(model, opt, t)
+    try:  # the core's own state dict, with its per-entry counters (a dict), as fairscale gets it without the adapter
+        model.gather_full_optim_state_dict(opt.core)
+        out["core's state dict"] = None
+    except TypeError as exc:
+        out["core's state dict"] = str(exc)
+    with _fresh_all_gather_outputs():  # rank 0: the whole model's state; the others: None
+        full = model.gather_full_optim_state_dict(opt)
+    if rank == 0:
+        out["saved"] = {i: {k: tuple(v.shape) if torch.is_tensor(v) else v for k, v in entry.items()}
+                        for i, entry in full["state"].items()}
+        out["saved sharpness"] = full["sharpness"]
+    box = [full]
+    dist.broadcast_object_list(box, src=0)  # every rank reads the checkpoint
+    resumed_model, resumed = build()
+    with torch.no_grad():  # the model's own checkpoint
+        for p, q in zip(resumed_model.parameters(), model.parameters()):
+            p.copy_(q)
+    resumed.load_state_dict(resumed_model.get_shard_from_optim_state_dict(copy.deepcopy(box[0])))
+    before = [(k, torch.equal(v, resumed.core.state[q][k]) if torch.is_tensor(v) else v == resumed.core.state[q][k])
+              for p, q in zip(model.parameters(), resumed_model.parameters()) for k, v in opt.core.state[p].items()
+              if k != "sam_counters"]
+    out["state after load"] = before
+    out["counters"] = (opt.core._counters(), resumed.core._counters())
+    step(model, opt, 3)
+    step(resumed_model, resumed, 3)
+    out["next step equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
+    out["diagnostics"] = (dict(opt.core.diagnostics), dict(resumed.core.diagnostics))
+    return out
