@@ -40,3 +40,42 @@ def test_fully_sharded_checkpoint_consolidates_and_resumes_bit_for_bit(ranks):
     assert [saved[i]["sam_slope"] for i in sorted(saved)] == [(5, 6), (5,), (3, 5), (3,)]
     assert all(saved[i]["exp_avg"] == saved[i]["sam_slope"] and "sam_counters" not in saved[i] for i in saved)
     assert ranks[0]["saved sharpness"]["step"] == 3
+
+
+_ARGV = ["/nonexistent-data", "--task", "translation", "--arch", "transformer", "--source-lang", "de",
+         "--target-lang", "en", "--ddp-backend", "fully_sharded"]
+
+
+def _parse(argv):
+    """The command line as fairseq-train parses it, with the plugin's checks: the parsed
+    optimizer, or the exit status and the last line on stderr."""
+    from fairseq import options
+
+    import fairseq_vasso  # noqa: F401  (as --user-dir imports it)
+
+    try:
+        out = options.parse_args_and_arch(options.get_training_parser(), argv)
+    except SystemExit as exc:
+        return exc.code
+    return (out[0] if isinstance(out, tuple) else out).optimizer
+
+
+@pytest.mark.parametrize("optimizer", ["sam", "vasso"])
+def test_fully_sharded_is_let_through_where_cuda_is_and_adaptive_refused(optimizer, monkeypatch, capsys):
+    """Where CUDA is (faked here), fully_sharded passes the checks, as stock adam's does;
+    --adaptive is refused under it with the reason; --cpu, or no CUDA, refuses it with the
+    reason and the alternatives."""
+    import torch
+
+    argv = _ARGV + ["--optimizer", optimizer]
+    assert _parse(argv) == 2  # this machine: no CUDA
+    assert "computes on CUDA" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _parse(argv) == optimizer
+    assert _parse(argv + ["--adaptive"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--optimizer {optimizer} does not support --adaptive with --ddp-backend fully_sharded" in last, last
+    assert "flat parameters" in last and "--zero-sharding os" in last, last
+    assert _parse(argv + ["--cpu"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "computes on CUDA" in last and "--zero-sharding os" in last and "c10d" in last, last
