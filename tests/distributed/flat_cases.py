@@ -3,7 +3,8 @@ vectors that the model all-gathers itself, as under fairscale's FullyShardedData
 (``flatten_parameters=True``, fairseq's ``--ddp-backend fully_sharded``) and torch's FSDP1
 without ``use_orig_params``, with ``PartitionGroup(group, model_gathers=True)``.
 
-fairscale's FSDP needs CUDA, so a hand-written loop does what it does, on gloo: each
+torch's FSDP1 runs on the CPU (torch >= 2.6) and is run as it is; fairscale's FSDP needs
+CUDA, so a hand-written loop does what it does, on gloo: each
 wrapped unit's parameters are flattened into one vector, split with ``torch.chunk`` into
 one slice per rank, and the slices padded with zeros to the length of the first
 (``FullyShardedDataParallel._get_shard``); every forward all-gathers the slices into the
@@ -96,39 +97,59 @@ class FlatShards:
         return worst
 
 
-def train(kind, api, data, group):
-    model = make_model()
-    flat = FlatShards(model, [model[0], model[2]])
-    opt = build(kind, flat.parameters(), partition_group=group)
+def train(opt, loss, api, data):
+    """``loss(x, y)``: forward and backward of this rank's slice, the gradients left in the
+    shards' ``.grad`` as FSDP leaves them."""
     diags = []
     for x, y in data:
         if api == "closure":
             def closure():
                 opt.zero_grad()
-                return flat.loss(x, y)
+                return loss(x, y)
             opt.step(closure)  # no model: nothing to exchange
         elif api == "explicit":
             rng = rng_state()
             opt.zero_grad()
-            flat.loss(x, y)
+            loss(x, y)
             if opt.perturb():
                 opt.zero_grad()
                 with opt.second_pass(rng=rng):
-                    flat.loss(x, y)
+                    loss(x, y)
             opt.descend()
         else:  # the davda54/sam loop: the second pass runs whatever first_step returns
-            flat.loss(x, y)
+            loss(x, y)
             opt.first_step(zero_grad=True)
-            flat.loss(x, y)
+            loss(x, y)
             opt.second_step(zero_grad=True)
         diags.append({k: float(opt.diagnostics[k]) for k in DIAGNOSTICS})
-    return flat, opt, diags
+    return diags
+
+
+def torch_fsdp1(kind, api, data, group):
+    """The same over torch's own FSDP1 (``use_orig_params=False``: the optimizer gets its flat
+    shards) on the CPU; None where this torch's FSDP1 does not run on CPUs (before 2.6)."""
+    fsdp = __import__("torch.distributed.fsdp", fromlist=["FullyShardedDataParallel"])
+    if not hasattr(fsdp, "fully_shard"):
+        return None
+    model = fsdp.FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"), use_orig_params=False)
+    opt = build(kind, model.parameters(), partition_group=group)
+
+    def loss(x, y):
+        value = F.cross_entropy(model(x), y)
+        value.backward()
+        return value.detach()
+
+    diags = train(opt, loss, api, data)
+    with fsdp.FullyShardedDataParallel.summon_full_params(model):
+        weights = [p.detach().clone() for p in model.module.parameters()]
+    return weights, diags, [p.numel() for p in model.parameters()]
 
 
 def every_member():
     """Each member that plain geometry allows, in each API in turn, against one process:
-    {kind: (api, relative error, diagnostics, the reference's, largest padding value)};
-    under "padding", this rank's padding per flat vector."""
+    {kind: (api, relative error, diagnostics, the reference's, largest padding value)} over
+    the hand-made shards; {("torch FSDP1", kind): (api, relative error, diagnostics, the
+    reference's)} over torch's FSDP1; under "padding", this rank's padding per flat vector."""
     world = dist.get_world_size()
     group = PartitionGroup(dist.group.WORLD, model_gathers=True)
     data = batches(world)
@@ -137,8 +158,15 @@ def every_member():
     for i, kind in enumerate(k for k in VARIANTS if k not in REFUSED):
         api = APIS[i % len(APIS)]
         ref, ref_diags = reference(kind, world, "closure" if api == "closure" else "explicit")
-        flat, opt, diags = train(kind, api, mine, group)
+        model = make_model()
+        flat = FlatShards(model, [model[0], model[2]])
+        opt = build(kind, flat.parameters(), partition_group=group)
+        diags = train(opt, flat.loss, api, mine)
         out[kind] = (api, compare(flat.full(), ref), diags, ref_diags, flat.padding_values(opt))
+        fsdp1 = torch_fsdp1(kind, api, mine, group)
+        if fsdp1 is not None:
+            out[("torch FSDP1", kind)] = (api, compare(fsdp1[0], ref), fsdp1[1], ref_diags)
+            out["torch FSDP1 shards"] = fsdp1[2]
     out["padding"] = list(flat.padding)
     out["wrong use"] = wrong_use(group)
     return out

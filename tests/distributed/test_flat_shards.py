@@ -1,5 +1,5 @@
 """Slices of flat parameters that the model gathers itself (fairscale's FSDP, fairseq's
-``--ddp-backend fully_sharded``; torch's FSDP1 without ``use_orig_params``):
+``--ddp-backend fully_sharded``; torch's FSDP1 without ``use_orig_params``, run here too):
 ``PartitionGroup(group, model_gathers=True)`` gives the one-process step for every member
 of plain geometry, on 2 and 4 gloo ranks, with the padding left at zero; adaptive
 geometry and wrong splits are refused (issue 25).
@@ -20,7 +20,13 @@ def results(request):
 
 
 def cases(rank):
-    return {k: v for k, v in rank.items() if k not in ("padding", "wrong use")}
+    """The hand-made shards' cases."""
+    return {k: v for k, v in rank.items() if isinstance(k, str) and k not in ("padding", "wrong use",
+                                                                               "torch FSDP1 shards")}
+
+
+def fsdp1(rank):
+    return {k[1]: v for k, v in rank.items() if isinstance(k, tuple)}
 
 
 def test_every_plain_member_gives_the_one_process_step_on_flat_shards(results):
@@ -68,3 +74,22 @@ def test_wrong_use_of_model_gathers_is_refused(results):
         assert refused["replicas"] and "replicas" in refused["replicas"]
         split = refused["ZeRO-like split"]
         assert split and "not the equal-length shards" in split and "drop model_gathers" in split
+
+
+def test_torch_fsdp1_flat_shards_give_the_one_process_step(results):
+    """torch's own FSDP1 with use_orig_params=False on the CPU (one flat vector of 53 elements,
+    padded on the last rank): every plain member, each API, to 1e-5, and the reference's
+    diagnostics on every rank."""
+    world, ranks = results
+    if not fsdp1(ranks[0]):
+        pytest.skip("torch's FSDP1 runs on CPUs from torch 2.6 on (as FSDP2's tests here)")
+    assert [r["torch FSDP1 shards"] for r in ranks] == [[math.ceil(53 / world)]] * world
+    for rank in ranks:
+        members = fsdp1(rank)
+        assert set(members) == set(cases(rank))
+        for kind, (api, error, diags, ref) in members.items():
+            assert error <= 1e-5, (kind, api, error)
+            for t, (got, want) in enumerate(zip(diags, ref)):
+                for k in want:
+                    assert _same(got[k], want[k]) or got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), (
+                        kind, api, t, k, got[k], want[k])
