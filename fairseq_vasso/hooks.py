@@ -240,6 +240,10 @@ def check_config(cfg) -> None:
                    "fairseq 0.12 gives it no CPU device (stock --optimizer adam stops with 'Found no NVIDIA "
                    "driver', also with --cpu-offload); on a CPU use --zero-sharding os (shards the optimizer "
                    "state) or --ddp-backend legacy_ddp / c10d (replicate the model)")
+        if _setting(cfg, "distributed_training.cpu_offload", False):
+            refuse("--cpu-offload", "FSDP then keeps the parameter shards on the CPU, and the ascent's sums over "
+                   "the ranks would be CPU tensors, which fairseq's NCCL process group does not reduce; drop "
+                   "--cpu-offload, or use --zero-sharding os")
         if _setting(cfg, "optimizer.adaptive", False):
             refuse("--adaptive with --ddp-backend fully_sharded", "ASAM scales weight tensors and leaves biases "
                    "alone, and the slices of FSDP's flat parameters no longer tell them apart; use --zero-sharding "

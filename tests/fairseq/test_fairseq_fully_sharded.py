@@ -63,7 +63,7 @@ def _parse(argv):
 @pytest.mark.parametrize("optimizer", ["sam", "vasso"])
 def test_fully_sharded_is_let_through_where_cuda_is_and_adaptive_refused(optimizer, monkeypatch, capsys):
     """Where CUDA is (faked here), fully_sharded passes the checks, as stock adam's does;
-    --adaptive is refused under it with the reason; --cpu, or no CUDA, refuses it with the
+    --adaptive and --cpu-offload are refused under it with the reason; --cpu, or no CUDA, refuses it with the
     reason and the alternatives."""
     import torch
 
@@ -76,6 +76,9 @@ def test_fully_sharded_is_let_through_where_cuda_is_and_adaptive_refused(optimiz
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--optimizer {optimizer} does not support --adaptive with --ddp-backend fully_sharded" in last, last
     assert "flat parameters" in last and "--zero-sharding os" in last, last
+    assert _parse(argv + ["--cpu-offload", "--fp16"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--optimizer {optimizer} does not support --cpu-offload" in last and "NCCL" in last, last
     assert _parse(argv + ["--cpu"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "computes on CUDA" in last and "--zero-sharding os" in last and "c10d" in last, last
