@@ -198,7 +198,9 @@ class FairseqSharpnessAware(FairseqOptimizer):
     @property
     def core(self) -> SharpnessAware:
         """The core optimizer: ours, or under ``--zero-sharding os`` the one over this rank's
-        partition that fairscale's OSS (then ``self.optimizer``) built and holds."""
+        partition that fairscale's OSS (then ``self.optimizer``) built and holds.  Under
+        ``--ddp-backend fully_sharded`` ours, over this rank's slices of FSDP's flat parameters
+        (:func:`_flat_shards`)."""
         inner = getattr(self._optimizer, "optim", None)
         return inner if isinstance(inner, SharpnessAware) else self._optimizer
 
