@@ -329,7 +329,7 @@ FSDP = ["--ddp-backend", "fully_sharded"]
 LEGACY = ["--ddp-backend", "legacy_ddp"]
 GPU_CASES = {
     # name: (optimizer, extra flags); each as legacy_ddp and fully_sharded, 3 updates
-    "adam": ("adam", []),  # stock: the baseline of what fully_sharded changes
+    "adam": ("adam", ["--load-checkpoint-on-all-dp-ranks"]),  # stock: the baseline; saves, resumed as vasso
     "sam": ("sam", []),
     "vasso": ("vasso", VASSO),  # --update-freq 2 --clip-norm 0.5, saves checkpoint_last.pt, resumed to 6
     "adam-fp16": ("adam", ["--fp16"]),  # under fully_sharded: FSDP's mixed precision, MemoryEfficientFP16Optimizer
@@ -366,7 +366,7 @@ def gpu_runs(toy_data, tmp_path_factory):
         done[name].saved = torch.load(root / name / "ckpt" / "checkpoint_last.pt", weights_only=False)
     for name, optimizer, extra in (("vasso-legacy", "vasso", LEGACY + VASSO), ("vasso-fsdp", "vasso", FSDP + VASSO),
                                    ("vasso-sharded", "vasso", FSDP + VASSO + ["--use-sharded-state"]),
-                                   ("adam-fsdp", "adam", FSDP)):
+                                   ("adam-fsdp", "adam", FSDP + ["--load-checkpoint-on-all-dp-ranks"])):
         done[name + "-resumed"] = run(name, optimizer, extra, 6)
     return done
 
@@ -377,6 +377,8 @@ def _losses(run, key="loss"):
 
 def _same_losses(ref, other, rel):
     """The logged losses (as printed: 3 decimals) of every update, to ``rel``."""
+    for run in (ref, other):
+        assert "done training" in run.out[0], run.dir.name + ":\n" + run.out[0][-3000:] + run.out[-1][-2000:]
     a, b = _losses(ref), _losses(other)
     assert len(a) == len(b) > 0
     assert b == pytest.approx(a, rel=rel, abs=2e-3), (a, b)
