@@ -394,8 +394,8 @@ def test_fully_sharded_gives_the_legacy_ddp_losses_on_gpus(gpu_runs, name):
     if name == "adam":
         return
     for x, y in zip(_taken(ref.rank(0)["log"]), _taken(fsdp.rank(0)["log"])):  # the core's, unrounded
-        for key in ("ascent_norm", "sharpness", "stability"):
-            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x, y)
+        for key in ("ascent_norm", "sharpness", "stability"):  # stability: NaN at the first ascent
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6, nan_ok=True), (key, x, y)
     assert _losses(fsdp, "loss_gap") == pytest.approx(_losses(ref, "loss_gap"), rel=1e-2, abs=1e-3)  # as logged
     for r in range(gpu_runs["world"]):  # the same diagnostics on every rank
         assert _taken(fsdp.rank(r)["log"])[-1]["sharpness"] == _taken(fsdp.rank(0)["log"])[-1]["sharpness"]
