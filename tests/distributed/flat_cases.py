@@ -210,29 +210,6 @@ def wrong_use(group):
 # ------------------------------------------------------------------ fairseq's checkpoint under fully_sharded
 
 
-class _fresh_all_gather_outputs:
-    """fairscale's ``_gather_optim_state`` gathers every buffer (``exp_avg``, ``exp_avg_sq``,
-    ``sam_slope``) into one reused list of outputs and keeps ``x.cpu()`` of each: a copy from
-    a GPU, the same tensor on the CPU, where every buffer would then alias the last one.
-    Inside this block ``all_gather`` fills fresh outputs into the caller's list, which gives
-    the CPU the GPU's semantics (fairscale's own code runs otherwise unchanged)."""
-
-    def __enter__(self):
-        self.real = real = dist.all_gather
-
-        def all_gather(outputs, tensor, *args, **kwargs):
-            fresh = [torch.empty_like(o) for o in outputs]
-            work = real(fresh, tensor, *args, **kwargs)
-            outputs[:] = fresh
-            return work
-
-        dist.all_gather = all_gather
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather = self.real
-
-
 def fairseq_checkpoint():
     """fairseq's ``--ddp-backend fully_sharded`` checkpoint path, with fairscale's real FSDP
     (its forward needs CUDA, its optimizer-state consolidation does not): ``--optimizer
@@ -287,7 +264,9 @@ def fairseq_checkpoint():
         out["core's state dict"] = None
     except TypeError as exc:
         out["core's state dict"] = str(exc)
-    with _fresh_all_gather_outputs():  # rank 0: the whole model's state; the others: None
+    from tests.fairseq.cpu_fsdp import fresh_all_gather_outputs
+
+    with fresh_all_gather_outputs():  # rank 0: the whole model's state; the others: None
         full = model.gather_full_optim_state_dict(opt)
     if rank == 0:
         out["saved"] = {i: {k: tuple(v.shape) if torch.is_tensor(v) else v for k, v in entry.items()}

@@ -48,6 +48,11 @@ DRIVER = textwrap.dedent('''
         for owner, name, value in cpu_half_precision_patches():
             setattr(owner, name, value)
     import fairseq_vasso  # noqa: F401  (the hooks, as --user-dir would install them)
+    if os.environ.get("FSV_CPU_FSDP"):  # --ddp-backend fully_sharded on a CPU: tests/fairseq/cpu_fsdp.py
+        from tests.fairseq.cpu_fsdp import cpu_fsdp_patches
+
+        for owner, name, value in cpu_fsdp_patches():
+            setattr(owner, name, value)
     from fairseq.trainer import Trainer
 
     stock = Trainer.train_step
@@ -57,15 +62,16 @@ DRIVER = textwrap.dedent('''
         out = stock(self, samples, raise_oom)
         sa = getattr(self.optimizer, "fp32_optimizer", None) or getattr(self.optimizer, "wrapped_optimizer",
                                                                          self.optimizer)
-        core = sa.core
+        core = getattr(sa, "core", sa.optimizer)  # stock adam: its torch optimizer
         held = [p for g in core.param_groups for p in g["params"]]
         scaler = getattr(self.optimizer, "scaler", None)
         scale = scaler.get_scale() if hasattr(scaler, "get_scale") else getattr(scaler, "loss_scale", None)
-        log.append({"num_updates": self.get_num_updates(), "sharded": sa.sharded, "loss_scale": scale,
+        log.append({"num_updates": self.get_num_updates(), "sharded": getattr(sa, "sharded", False),
+                    "loss_scale": scale,
                     "held": len(held), "all": sum(1 for p in self.model.parameters() if p.requires_grad),
                     "slopes": sum(1 for p in held if "sam_slope" in core.state.get(p, {})),
-                    "moments": sum(1 for p in held if "exp_avg" in core.base_optimizer.state.get(p, {})),
-                    **{k: float(v) for k, v in dict(sa.last_diagnostics).items()}})
+                    "moments": sum(1 for p in held if "exp_avg" in getattr(core, "base_optimizer", core).state.get(p, {})),
+                    **{k: float(v) for k, v in dict(getattr(sa, "last_diagnostics", {})).items()}})
         model = {k: v.detach().clone() for k, v in self.get_model().state_dict().items()}
         torch.save({"model": model, "log": log}, os.environ["FSV_DUMP"])
         return out
@@ -95,7 +101,7 @@ def _free_port():
 
 def _argv(fs, data, save_dir, optimizer, max_update, extra, world=2, gpu=False):
     argv = fs.model_args(data, save_dir, optimizer=optimizer, max_update=max_update, extra=[
-        "--rho", "0.5", "--train-subset", "valid", "--disable-validation", "--dropout", "0.1",
+        *(["--rho", "0.5"] if optimizer != "adam" else []), "--train-subset", "valid", "--disable-validation", "--dropout", "0.1",
         "--max-tokens", "4000", "--batch-size", "10", "--required-batch-size-multiple", "1",
         "--distributed-backend", "nccl" if gpu else "gloo", "--distributed-world-size", str(world),
         "--distributed-no-spawn", *extra])
