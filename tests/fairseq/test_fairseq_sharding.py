@@ -101,8 +101,8 @@ def _free_port():
 
 def _argv(fs, data, save_dir, optimizer, max_update, extra, world=2, gpu=False):
     argv = fs.model_args(data, save_dir, optimizer=optimizer, max_update=max_update, extra=[
-        *(["--rho", "0.5"] if optimizer != "adam" else []), "--train-subset", "valid", "--disable-validation", "--dropout", "0.1",
-        "--max-tokens", "4000", "--batch-size", "10", "--required-batch-size-multiple", "1",
+        *(["--rho", "0.5"] if optimizer != "adam" else []), "--train-subset", "valid", "--disable-validation",
+        "--dropout", "0.1", "--max-tokens", "4000", "--batch-size", "10", "--required-batch-size-multiple", "1",
         "--distributed-backend", "nccl" if gpu else "gloo", "--distributed-world-size", str(world),
         "--distributed-no-spawn", *extra])
     return [a for a in argv if a != "--cpu"] if gpu else argv
@@ -112,7 +112,8 @@ class _Run:
     """One fairseq-train on ``world`` ranks (2 gloo ranks on the CPU by default; ``gpu``: one
     GPU per rank, nccl), each rank a process in its own session."""
 
-    def __init__(self, fs, data, root, name, optimizer, max_update, extra, driver, half=False, world=2, gpu=False):
+    def __init__(self, fs, data, root, name, optimizer, max_update, extra, driver, half=False, world=2, gpu=False,
+                 cpu_fsdp=False):
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
         port = _free_port()
@@ -122,7 +123,7 @@ class _Run:
                 "--distributed-rank", str(rank), "--distributed-init-method", f"tcp://127.0.0.1:{port}",
                 *(["--device-id", str(rank)] if gpu else [])]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "FSV_DUMP": str(self.dir / f"rank{rank}.pt"),
-                   **({"FSV_CPU_HALF": "1"} if half else {}),
+                   **({"FSV_CPU_HALF": "1"} if half else {}), **({"FSV_CPU_FSDP": "1"} if cpu_fsdp else {}),
                    # the driver imports tests.fairseq.conftest, which imports tests/helpers/process_group.py
                    "PYTHONPATH": os.pathsep.join([str(fs.REPO), os.path.join(str(fs.REPO), "tests", "helpers"),
                                                   os.environ.get("PYTHONPATH", "")])}
@@ -173,6 +174,9 @@ CASES = {
     "mefp16": ("vasso", ["--memory-efficient-fp16", *OVERFLOWS]),
 }
 HALF = ("amp", "fp16", "mefp16")
+# --ddp-backend fully_sharded on the CPU (tests/fairseq/cpu_fsdp.py): vasso as above (resumed too),
+# and sam without --update-freq, each beside its legacy_ddp run
+FSDP_CASES = {"vasso": CASES["vasso"], "sam": ("sam", [])}
 # Every rank reads the checkpoint (--load-checkpoint-on-all-dp-ranks): fairseq 0.12 otherwise
 # broadcasts rank 0's copy with torch.save/torch.load, whose weights_only default (torch >= 2.6)
 # refuses the omegaconf config inside on the other ranks, whatever the optimizer.
@@ -192,24 +196,28 @@ def runs(toy_data, tmp_path_factory):
     driver.write_text(DRIVER)
 
     def start(name, backend, max_update):
-        opt, extra = CASES[name]
-        extra = ["--ddp-backend", "legacy_ddp", *extra, *(["--zero-sharding", "os"] if backend == "os" else [])]
-        return _Run(fs, toy_data, root, f"{name}-{backend}", opt, max_update, extra, driver, half=name in HALF)
+        opt, extra = (FSDP_CASES if backend == "fsdp" else CASES).get(name) or FSDP_CASES[name]
+        extra = ["--ddp-backend", "fully_sharded" if backend == "fsdp" else "legacy_ddp", *extra,
+                 *(["--zero-sharding", "os"] if backend == "os" else [])]
+        return _Run(fs, toy_data, root, f"{name}-{backend}", opt, max_update, extra, driver, half=name in HALF,
+                    cpu_fsdp=backend == "fsdp")
 
     started = [start(name, backend, 3) for name in CASES for backend in ("legacy", "os")]
+    started += [start(name, "fsdp", 3) for name in FSDP_CASES] + [start("sam", "legacy", 3)]
     done = {run.dir.name: run.wait() for run in started}
-    for name in ("vasso-legacy", "vasso-os"):  # what each saved after 3 updates, before it is resumed
+    for name in ("vasso-legacy", "vasso-os", "vasso-fsdp"):  # what each saved after 3 updates, before it is resumed
         assert (root / name / "ckpt" / "checkpoint_last.pt").exists(), (
             f"{name} saved no checkpoint:\n" + done[name].out[0][-3000:] + done[name].out[1][-2000:])
         done[name].saved = torch.load(root / name / "ckpt" / "checkpoint_last.pt", weights_only=True)
-    resumed = [start("vasso", backend, 6) for backend in ("legacy", "os")]
+    resumed = [start("vasso", backend, 6) for backend in ("legacy", "os", "fsdp")]
     done.update({run.dir.name + "-resumed": run.wait() for run in resumed})
     return done
 
 
-def _same_run(ref, other, *, rel=1e-5):
-    """``other`` (--zero-sharding os) gives ``ref``'s (legacy_ddp) losses, diagnostics and
-    final weights on both ranks."""
+def _same_run(ref, other, *, rel=1e-5, replicated=True):
+    """``other`` (--zero-sharding os, or fully_sharded) gives ``ref``'s (legacy_ddp) losses,
+    diagnostics and final weights on both ranks (``replicated``: both hold the model; under
+    fully_sharded only rank 0's dump holds it, fairseq's FSDP state dict)."""
     assert len(ref.inner()) == len(_taken(ref.rank(0)["log"])) > 0
     # the logged values, as printed (stability below: it cancels, and may differ in its last
     # digit); under fp16 autocast (rel > 1e-5) to that rounding
@@ -236,9 +244,11 @@ def _same_run(ref, other, *, rel=1e-5):
     assert worst <= rel * scale, worst
     lr, updates = 2e-3, len(a["log"])
     assert all(float((a["model"][k] - b["model"][k]).abs().max()) <= 2 * lr * updates for k in noise)
-    # the ranks stay identical (OSS broadcasts every partition after the step)
     b1 = other.rank(1)
-    assert all(torch.equal(b["model"][k], b1["model"][k]) for k in b["model"])
+    if replicated:  # the ranks stay identical (OSS broadcasts every partition after the step)
+        assert all(torch.equal(b["model"][k], b1["model"][k]) for k in b["model"])
+    else:  # the diagnostics are global: the same on both ranks (repr: NaN equals NaN)
+        assert repr(b["log"]) == repr(b1["log"])
 
 
 def _taken(log):
@@ -323,6 +333,46 @@ def test_fully_sharded_is_refused_on_cpu_with_the_alternatives(toy_data, tmp_pat
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--optimizer vasso does not support --ddp-backend fully_sharded" in last, last
     assert "CUDA" in last and "--zero-sharding os" in last and "legacy_ddp" in last, last
+
+
+# ------------------------------------------------------------------ fully_sharded, on the CPU
+# fairscale's FSDP given the CPU and its CUDA streams made no-ops (tests/fairseq/cpu_fsdp.py);
+# everything else is fairscale's, fairseq's and the plugin's own code, as on GPUs.
+
+
+def test_fully_sharded_gives_the_legacy_ddp_run(runs):
+    """sam, and vasso with --update-freq 2 --clip-norm 0.5, over fairscale FSDP's flat shards on 2
+    gloo ranks: the legacy_ddp run's logged losses and diagnostics (as printed), its unrounded
+    diagnostics and final weights to 1e-5; each rank's optimizer holds one flat vector (its
+    slice of the model), d_t beside Adam's moments; the same diagnostics on both ranks."""
+    for name in FSDP_CASES:
+        _same_run(runs[f"{name}-legacy"], runs[f"{name}-fsdp"], replicated=False)
+        for r in (0, 1):
+            last = runs[f"{name}-fsdp"].rank(r)["log"][-1]
+            assert last["held"] == last["all"] == last["moments"] == last["slopes"] == 1, (name, r, last)
+        assert runs[f"{name}-legacy"].rank(0)["log"][-1]["all"] > 1
+
+
+def test_fully_sharded_saves_what_legacy_ddp_saves_and_resumes_as_it_does(runs):
+    """fairseq's fully_sharded checkpoint without --use-sharded-state: fairscale gathers the
+    optimizer state on rank 0 into one entry per model parameter, in legacy_ddp's order (Adam's
+    moments and d_t equal to float rounding; the counters in 'sharpness', which fairscale's
+    gathering keeps); resumed from it (each rank reading it), the run continues as legacy_ddp's."""
+    legacy, ours = runs["vasso-legacy"].saved["last_optimizer_state"], runs["vasso-fsdp"].saved[
+        "last_optimizer_state"]
+    assert sorted(ours["state"]) == sorted(legacy["state"])
+    assert ours["sharpness"]["step"] == legacy["sharpness"]["step"] == 3
+    assert ours["sharpness"]["previous"] == pytest.approx(legacy["sharpness"]["previous"], rel=1e-5)
+    assert ours["param_groups"][0]["lr"] == legacy["param_groups"][0]["lr"]
+    x_all, y_all = legacy["state"], ours["state"]
+    scale = {k: max(float(v[k].abs().max()) for v in x_all.values()) for k in ("exp_avg", "exp_avg_sq", "sam_slope")}
+    for i, x in x_all.items():
+        y = y_all[i]
+        assert set(y) == set(x) - {"sam_counters"} and y["step"] == x["step"] == 3, (i, set(y))
+        for k in scale:  # (the attention key biases' d_t is rounding noise near 1e-10, see _same_run)
+            assert float((x[k] - y[k]).abs().max()) <= 1e-5 * scale[k], (i, k)
+    _same_run(runs["vasso-legacy-resumed"], runs["vasso-fsdp-resumed"], replicated=False)
+    assert [int(s["num_updates"]) for s in runs["vasso-fsdp-resumed"].inner()] == [4, 5, 6]
 
 
 # ------------------------------------------------------------------ fully_sharded, on GPUs
