@@ -8,10 +8,12 @@ run's losses, diagnostics and final weights, to float rounding: sam and vasso, f
 gathers the ranks' parts) and a resumed run continues as legacy_ddp's does.
 
 ``--ddp-backend fully_sharded`` (fairscale's FSDP) computes on CUDA whatever the flags:
-on a CPU it is refused with the reason and the alternatives.  Where a GPU is, sam and vasso
-train over FSDP's flat shards and give the legacy_ddp run's losses, also under --fp16, and
-save and resume as stock adam does (2 ranks where 2 GPUs are, else 1; these have never run
-on this project's machines, which have no GPU).
+on a CPU it is refused with the reason and the alternatives.  Given the CPU with its CUDA
+streams made no-ops (cpu_fsdp.py), sam and vasso train over FSDP's flat shards on 2 gloo
+ranks and give the legacy_ddp run's losses, diagnostics and weights, also under --fp16, and
+save and resume as legacy_ddp does.  Where a GPU is, the same against legacy_ddp with stock
+adam beside (2 ranks where 2 GPUs are, else 1; never run on this project's machines, which
+have no GPU).
 
 All 2-rank CPU runs of the module start at once (one fixture) and are compared afterwards."""
 
@@ -175,8 +177,9 @@ CASES = {
 }
 HALF = ("amp", "fp16", "mefp16")
 # --ddp-backend fully_sharded on the CPU (tests/fairseq/cpu_fsdp.py): vasso as above (resumed too),
-# and sam without --update-freq, each beside its legacy_ddp run
-FSDP_CASES = {"vasso": CASES["vasso"], "sam": ("sam", [])}
+# sam without --update-freq, and --fp16 (FSDP's mixed precision under MemoryEfficientFP16Optimizer),
+# each beside its legacy_ddp run
+FSDP_CASES = {"vasso": CASES["vasso"], "sam": ("sam", []), "fp16": CASES["fp16"]}
 # Every rank reads the checkpoint (--load-checkpoint-on-all-dp-ranks): fairseq 0.12 otherwise
 # broadcasts rank 0's copy with torch.save/torch.load, whose weights_only default (torch >= 2.6)
 # refuses the omegaconf config inside on the other ranks, whatever the optimizer.
@@ -345,12 +348,25 @@ def test_fully_sharded_gives_the_legacy_ddp_run(runs):
     gloo ranks: the legacy_ddp run's logged losses and diagnostics (as printed), its unrounded
     diagnostics and final weights to 1e-5; each rank's optimizer holds one flat vector (its
     slice of the model), d_t beside Adam's moments; the same diagnostics on both ranks."""
-    for name in FSDP_CASES:
+    for name in ("vasso", "sam"):
         _same_run(runs[f"{name}-legacy"], runs[f"{name}-fsdp"], replicated=False)
         for r in (0, 1):
             last = runs[f"{name}-fsdp"].rank(r)["log"][-1]
             assert last["held"] == last["all"] == last["moments"] == last["slopes"] == 1, (name, r, last)
         assert runs[f"{name}-legacy"].rank(0)["log"][-1]["all"] > 1
+
+
+def test_fully_sharded_fp16_gives_the_legacy_ddp_run(runs):
+    """vasso --fp16 under fully_sharded (fp32 shards, an fp16 forward, MemoryEfficientFP16Optimizer's
+    loss scaler) from a loss scale of 65536 that overflows: legacy_ddp's overflows, skips and
+    loss scales (an fp16 model beside fp32 masters there), then its updates, to fp16 rounding
+    (1e-3: FSDP's state dict gives the fp32 weights, legacy_ddp's model holds fp16 ones)."""
+    ref, other = runs["fp16-legacy"], runs["fp16-fsdp"]
+    a, b = ref.rank(0)["log"], other.rank(0)["log"]
+    assert [(e["num_updates"], e["loss_scale"]) for e in a] == [(e["num_updates"], e["loss_scale"]) for e in b]
+    assert len(a) > 3 and a[-1]["loss_scale"] < 65536
+    _same_run(ref, other, rel=1e-3, replicated=False)
+    assert b[-1]["held"] == b[-1]["slopes"] == 1
 
 
 def test_fully_sharded_saves_what_legacy_ddp_saves_and_resumes_as_it_does(runs):
