@@ -84,7 +84,6 @@ class PartitionGroup:
                                        base_optimizer=torch.optim.AdamW,
                                        partition_group=PartitionGroup(group), lr=1e-3)
 
-
     ``model_gathers=True``: the parameters are shards of flat parameter vectors that the
     model all-gathers itself before every forward (fairscale's ``FullyShardedDataParallel``,
     torch's FSDP1 without ``use_orig_params``: each rank holds a slice of equal length,
