@@ -51,6 +51,16 @@ def register() -> None:
     (:mod:`fairseq_vasso.hooks`); idempotent.  Imports fairseq."""
     from . import hooks, optimizer  # noqa: F401  (registering and patching are their import)
 
+    if hasattr(torch.serialization, "add_safe_globals"):
+        # --ddp-backend fully_sharded: FSDP's load_state_dict broadcasts rank 0's checkpoint with
+        # torch.save / torch.load, tensors replaced by this placeholder (an index), which torch.load's
+        # weights_only default refuses on the other ranks
+        try:
+            from fairseq.distributed.utils import _TensorPlaceholder
+        except ImportError:  # another fairseq: hooks.check_fairseq_internals has said so already
+            return
+        torch.serialization.add_safe_globals([_TensorPlaceholder])
+
 
 class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
     """Calls :func:`register` right after ``import fairseq`` completes, once."""

@@ -106,6 +106,7 @@ FAIRSEQ_INTERNALS = (
     ("fairseq.trainer", "Trainer.zero_grad"),
     ("fairseq.trainer", "Trainer.optimizer"),
     ("fairseq.trainer", "Trainer.data_parallel_world_size"),
+    ("fairseq.trainer", "Trainer.is_fsdp"),
     ("fairseq.tasks.fairseq_task", "FairseqTask.train_step"),
     ("fairseq.optim.fairseq_optimizer", "FairseqOptimizer.multiply_grads"),
     ("fairseq.optim.fairseq_optimizer", "FairseqOptimizer.all_reduce_grads"),
@@ -235,14 +236,18 @@ def check_config(cfg) -> None:
     backend = _setting(cfg, "distributed_training.ddp_backend", "")
     if backend == "fully_sharded":
         if _setting(cfg, "common.cpu", False) or not torch.cuda.is_available():
-            refuse("--ddp-backend fully_sharded", "fairscale's FullyShardedDataParallel computes on CUDA (fairseq "
-                   "0.12 gives it no CPU device, whatever --cpu-offload says; stock fairseq stops with 'Found no "
-                   "NVIDIA driver'); on a CPU use --zero-sharding os (the optimizer state sharded) or "
-                   "--ddp-backend legacy_ddp")
-        refuse("--ddp-backend fully_sharded", "each rank's optimizer would hold slices of FSDP's flat parameters, "
-               "and the core can sum the ascent norm over them only through partition_group, whose second pass "
-               "sends each rank's parameters to the others, which FSDP already gathers itself; use --zero-sharding "
-               "os (the optimizer state sharded) or --ddp-backend c10d / legacy_ddp")
+            refuse("--ddp-backend fully_sharded", "fairscale's FullyShardedDataParallel computes on CUDA and "
+                   "fairseq 0.12 gives it no CPU device (stock --optimizer adam stops with 'Found no NVIDIA "
+                   "driver', also with --cpu-offload); on a CPU use --zero-sharding os (shards the optimizer "
+                   "state) or --ddp-backend legacy_ddp / c10d (replicate the model)")
+        if _setting(cfg, "distributed_training.cpu_offload", False):
+            refuse("--cpu-offload", "FSDP then keeps the parameter shards on the CPU, and the ascent's sums over "
+                   "the ranks would be CPU tensors, which fairseq's NCCL process group does not reduce; drop "
+                   "--cpu-offload, or use --zero-sharding os")
+        if _setting(cfg, "optimizer.adaptive", False):
+            refuse("--adaptive with --ddp-backend fully_sharded", "ASAM scales weight tensors and leaves biases "
+                   "alone, and the slices of FSDP's flat parameters no longer tell them apart; use --zero-sharding "
+                   "os or --ddp-backend legacy_ddp / c10d for --adaptive")
     if backend == "slowmo":
         refuse("--ddp-backend slowmo", "SlowMo changes the parameters outside the optimizer step")
     zero = _setting(cfg, "distributed_training.zero_sharding", "none")
@@ -408,8 +413,16 @@ def _amp(trainer):
     return opt if isinstance(opt, AMPOptimizer) else None
 
 
-def _grads_finite(params) -> bool:
-    return bool(torch.isfinite(global_norm([p.grad for p in params if p.grad is not None])))
+def _grads_finite(trainer, params) -> bool:
+    norm = global_norm([p.grad for p in params if p.grad is not None])
+    if trainer.is_fsdp and trainer.data_parallel_world_size > 1:
+        # each rank holds a slice of the gradient (FSDP's reduce-scatter): decide alike on every
+        # rank, or some would enter perturb()'s collectives without the others
+        from fairseq.distributed import utils as distributed_utils
+
+        norm = distributed_utils.all_reduce(norm.detach().double().reshape(1).to(trainer.device),
+                                            group=trainer.data_parallel_process_group)[0]
+    return bool(torch.isfinite(norm))
 
 
 def _loss_value(logging_output):
@@ -530,7 +543,7 @@ def _ascent_and_second_pass(trainer, sa, ctx, stock_task_step, stock_multiply, c
             # g_t: fairseq's pending factor 1/loss_scale * c applied (--fp16: into the fp32 master
             # gradients, flat or not; --memory-efficient-fp16: to the fp16 gradients, as its step does)
             scaled._unscale_grads()
-        if not _grads_finite(list(sa.params)):
+        if not _grads_finite(trainer, list(sa.params)):
             # leave everything to fairseq: fp32 raises FloatingPointError, fp16 lowers the scale and skips
             return
         if not sa.perturb():

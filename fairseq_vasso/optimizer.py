@@ -27,7 +27,7 @@ from fairseq.optim.adam import Adam as _FairseqAdam
 import torch
 from omegaconf import II, OmegaConf
 
-from plugins import SAM, VASSO
+from plugins import SAM, VASSO, PartitionGroup
 from plugins.optimizer import SharpnessAware
 from plugins.validation import Range, check
 
@@ -88,6 +88,7 @@ class FairseqSAMConfig(FairseqDataclass):
     lr: List[float] = II("optimization.lr")
     fp16: bool = II("common.fp16")
     amp: bool = II("common.amp")
+    ddp_backend: str = II("distributed_training.ddp_backend")
 
 
 @dataclass
@@ -173,7 +174,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
         settings = dict(base_optimizer=_FairseqAdam, seed=int(self.cfg.seed), lr_max=lr if lr > 0 else None,
                         exact_restore=exact, **knobs)
         # its class, with these settings bound, is what --zero-sharding os builds per rank (_partition_class)
-        self._optimizer = _partition_class(self.core_class, settings)(params, partition_group=None,
+        self._optimizer = _partition_class(self.core_class, settings)(params, partition_group=_flat_shards(cfg),
                                                                       **self.optimizer_config)
         self._optimizer.disable_mem_eff_fp16_loading_hack = True  # see _keep_fp32_moments
         self.last_step_taken = False
@@ -197,7 +198,9 @@ class FairseqSharpnessAware(FairseqOptimizer):
     @property
     def core(self) -> SharpnessAware:
         """The core optimizer: ours, or under ``--zero-sharding os`` the one over this rank's
-        partition that fairscale's OSS (then ``self.optimizer``) built and holds."""
+        partition that fairscale's OSS (then ``self.optimizer``) built and holds.  Under
+        ``--ddp-backend fully_sharded`` ours, over this rank's slices of FSDP's flat parameters
+        (:func:`_flat_shards`)."""
         inner = getattr(self._optimizer, "optim", None)
         return inner if isinstance(inner, SharpnessAware) else self._optimizer
 
@@ -279,12 +282,20 @@ class FairseqSharpnessAware(FairseqOptimizer):
     def state_dict(self):
         """The core's state dict; sharded (``--zero-sharding os``), the same dict over all the
         parameters, from the ranks' parts that fairseq gathered (``consolidate_state_dict``)
-        before it saves: checkpoints of both modes load in either."""
+        before it saves: checkpoints of both modes load in either.  Under ``--ddp-backend
+        fully_sharded`` without the per-entry ``sam_counters``: fairscale's
+        ``gather_full_optim_state_dict`` keeps one value of each non-tensor entry only if it is
+        hashable, which a dict is not; the top-level ``sharpness`` carries the same counters,
+        and loading takes them from there."""
         # fairseq saves crash.pt after a FloatingPointError, possibly mid-step: drop the step first.
         self.abandon()
         if self.sharded:
             return _consolidated(self._optimizer)
-        return self.core.state_dict()
+        state = self.core.state_dict()
+        if _fully_sharded(self.cfg):
+            state["state"] = {k: {n: v for n, v in entry.items() if n != "sam_counters"}
+                              for k, entry in state["state"].items()}
+        return state
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         self.abandon()
@@ -317,8 +328,9 @@ class FairseqSharpnessAware(FairseqOptimizer):
 
     @property
     def supports_flat_params(self):
-        # --fp16's one flat fp32 master vector: every step is elementwise or global norms
-        # (ASAM's per-tensor T is not, and is refused there)
+        # --fp16's one flat fp32 master vector, and --ddp-backend fully_sharded's slices of FSDP's
+        # flat parameters (the core sums over the ranks: _flat_shards): every step is elementwise
+        # or global sums.  ASAM's per-tensor T is not, and is refused in both (hooks.check_config)
         return True
 
     @property
@@ -333,6 +345,27 @@ class FairseqSharpnessAware(FairseqOptimizer):
     @property
     def supports_groups(self):
         return False
+
+
+def _fully_sharded(cfg) -> bool:
+    backend = _get(cfg, "ddp_backend")
+    return str(getattr(backend, "value", backend)) == "fully_sharded"
+
+
+def _flat_shards(cfg):
+    """``--ddp-backend fully_sharded``: each rank's optimizer holds its slices of the flat
+    parameters of fairscale's FSDP, which all-gathers them itself in every forward; the core
+    sums its norms over fairseq's data-parallel group (the ranks FSDP shards over) and sends
+    nothing before the second pass (``PartitionGroup(model_gathers=True)``).  None otherwise,
+    and on one rank (FSDP then holds whole flat vectors)."""
+    if not _fully_sharded(cfg) or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    from fairseq.distributed import utils as distributed_utils
+
+    group = distributed_utils.get_data_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return None
+    return PartitionGroup(group, model_gathers=True)
 
 
 def _device(optimizer):

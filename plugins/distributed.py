@@ -16,6 +16,10 @@ ranks that sum runs, from what the parameters are:
   the sum runs over the group, and :class:`AscentExchange` brings every owner's
   parameters to ``x + eps`` on the other ranks before the second forward (their ascent
   directions ride along with the step's partial sums in one ``all_gather``).
+* plain tensors with ``PartitionGroup(group, model_gathers=True)``: each rank's optimizer
+  holds its equal-length slice of flat parameter vectors, which the model all-gathers
+  itself in every forward (fairscale's FSDP, torch's FSDP1 without ``use_orig_params``):
+  the sum runs over the group as above, and nothing is exchanged.
 
 This module imports no DTensor module: it takes the classes from the one already
 loaded (``torch.distributed.tensor``, torch 2.1's ``torch.distributed._tensor``), so the
@@ -28,6 +32,8 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .validation import check
 
 __all__ = ["dtensor_classes", "is_dtensor", "local", "PartitionGroup", "Layout", "AscentExchange"]
 
@@ -78,18 +84,30 @@ class PartitionGroup:
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO,
                                        base_optimizer=torch.optim.AdamW,
                                        partition_group=PartitionGroup(group), lr=1e-3)
+
+    ``model_gathers=True``: the parameters are shards of flat parameter vectors that the
+    model all-gathers itself before every forward (fairscale's ``FullyShardedDataParallel``,
+    torch's FSDP1 without ``use_orig_params``: each rank holds a slice of equal length,
+    zero-padded on the last ranks).  The step's sums still run over the group, but the
+    second pass sends nothing (the model gathers the shards at ``x + eps`` itself), so
+    it needs no model and ``first_step()`` / ``second_step()`` work.  Adaptive geometry
+    is refused there: a flat slice no longer tells weight tensors from biases.
     """
 
-    def __init__(self, group=None):
+    model_gathers = False  # handles pickled before the flag existed
+
+    def __init__(self, group=None, *, model_gathers: bool = False):
         dist = torch.distributed
+        self.model_gathers = check("model_gathers", model_gathers)
         self.group = dist.group.WORLD if group is None else group
         self.ranks = list(dist.get_process_group_ranks(self.group))
 
     def __getstate__(self):
-        return {"group": None, "ranks": self.ranks}
+        return {"group": None, "ranks": self.ranks, "model_gathers": self.model_gathers}
 
     def __repr__(self) -> str:
-        return f"PartitionGroup(ranks={self.ranks}{'' if self.group is not None else ', not live: loaded'})"
+        return (f"PartitionGroup(ranks={self.ranks}{', model_gathers=True' if self.model_gathers else ''}"
+                f"{'' if self.group is not None else ', not live: loaded'})")
 
 
 def _world() -> int:
@@ -111,8 +129,9 @@ class Layout:
     so one for FSDP2 and HSDP); ``replica_check``: plain tensors on several ranks
     without ``partition_group``, which must be replicas (checked once)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], partition_group=None):
+    def __init__(self, params: Sequence[torch.Tensor], partition_group=None, *, model_gathers: bool = False):
         self.partition_group = partition_group
+        self.model_gathers = model_gathers  # equal-length flat shards (see PartitionGroup)
         self.device = params[0].device if params else torch.device("cpu")
         self.counted: Optional[List[int]] = None
         self.groups: List[Any] = []
@@ -230,6 +249,12 @@ class Layout:
             raise ValueError("partition_group is given, but every rank's optimizer holds the same parameters "
                              "(replicas, as under DDP): their norms would be counted once per rank; drop "
                              "partition_group for replicas")
+        if self.partitioned and self.model_gathers and any(r[:2] != rows[0][:2] for r in rows):
+            raise ValueError("PartitionGroup(model_gathers=True): the ranks' optimizers hold "
+                             f"{[int(r[0]) for r in rows]} tensors of {[int(r[1]) for r in rows]} elements, so "
+                             "they are not the equal-length shards of flat parameters that FSDP gives every "
+                             "rank; for parameters split among the ranks' optimizers (ZeRO / OSS, a hand-split "
+                             "model) drop model_gathers: the second pass must then send them to the other ranks")
 
 
 #: Each parameter's bytes in an exchange's packed buffer start at a multiple of this, so

@@ -121,7 +121,11 @@ class SharpnessAware(torch.optim.Optimizer):
             their ``state_dict()``, where a ``ProcessGroup`` cannot be pickled: pass it
             there as :class:`plugins.PartitionGroup` ``(group)``, which can.  Ranks that
             train models of their own pass a group of one rank
-            (``torch.distributed.new_subgroups(1)[0]``): nothing is reduced.
+            (``torch.distributed.new_subgroups(1)[0]``): nothing is reduced.  Slices of
+            flat parameters that the model all-gathers itself in every forward (fairscale's
+            FSDP, torch's FSDP1 without ``use_orig_params``) pass
+            ``PartitionGroup(group, model_gathers=True)``: the sums run over the group,
+            nothing is sent before the second pass, which then needs no model.
 
     Two ways to use it.  With a closure (torch's convention)::
 
@@ -200,10 +204,18 @@ class SharpnessAware(torch.optim.Optimizer):
         self.lr_min = check("lr_min", lr_min)
         self.track_stability = check("track_stability", track_stability)
         self.exact_restore = check("exact_restore", exact_restore)
+        # PartitionGroup(group, model_gathers=True): flat shards that the model all-gathers itself
+        self._model_gathers = isinstance(partition_group, D.PartitionGroup) and partition_group.model_gathers
         self.partition_group = check("partition_group", partition_group)
         # split over several ranks (a group of one rank: this rank's parameters are its own)
         self._partitioned = (self.partition_group is not None
                              and torch.distributed.get_world_size(self.partition_group) > 1)
+        # the second pass must send each owner's parameters at x + eps to the other ranks
+        self._exchanges = self._partitioned and not self._model_gathers
+        if self._model_gathers and self.adaptive:
+            raise ValueError("adaptive=True with PartitionGroup(model_gathers=True): adaptive geometry scales "
+                             "weight tensors and leaves biases alone, and a slice of a flat parameter vector no "
+                             "longer tells them apart; use plain geometry (adaptive=False) there")
 
         super().__init__(params, defaults={"rho": rho})
         if isinstance(base_optimizer, torch.optim.Optimizer):
@@ -320,7 +332,8 @@ class SharpnessAware(torch.optim.Optimizer):
                     if q.grad.is_sparse:
                         raise RuntimeError("sharpness-aware optimizers do not support sparse gradients")
                     names.append(group_names[i] if group_names is not None else None)
-        self._lists = lists = _StepLists(params, names, self.adaptive, D.Layout(params, self.partition_group))
+        layout = D.Layout(params, self.partition_group, model_gathers=self._model_gathers)
+        self._lists = lists = _StepLists(params, names, self.adaptive, layout)
         return lists
 
     def _buffers(self, lists: "_StepLists", key: str, like: List[torch.Tensor], *, scratch: bool = False,
@@ -726,7 +739,7 @@ class SharpnessAware(torch.optim.Optimizer):
         carries (None once ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's
         verdict on it (``GradScaler.step`` hands both over)."""
         pending = self._pending
-        if pending["kind"] == "perturbed" and self._partitioned and not pending["second_pass"]:
+        if pending["kind"] == "perturbed" and self._exchanges and not pending["second_pass"]:
             self.abandon()  # the second pass ran with the other ranks' parameters at x_t: its h_t is wrong
             raise RuntimeError(_PARTITION_MODEL.replace("the second pass needs", "the second pass ran outside "
                                                         "second_pass(model, rng); it needs"))
@@ -821,7 +834,7 @@ class SharpnessAware(torch.optim.Optimizer):
         pending = self._pending
         if pending is None or pending["kind"] != "perturbed":
             raise RuntimeError("second_pass() without a perturbation: enter it only when perturb() returned True")
-        if self._partitioned:
+        if self._exchanges:
             if model is None:
                 self.abandon()
                 raise ValueError(_PARTITION_MODEL)
@@ -868,10 +881,10 @@ class SharpnessAware(torch.optim.Optimizer):
         ``zero_grad=True`` (no copy), else a copy of them, until :meth:`second_step`.
         ``loss``: the first pass's loss, for ``loss_gap`` (as in :meth:`perturb`).
 
-        Not under ``partition_group``: those loops run the second pass outside
-        :meth:`second_pass`, where the other ranks' parameters could not arrive.
+        Not under ``partition_group`` (but with ``model_gathers=True``): those loops run the
+        second pass outside :meth:`second_pass`, where the other ranks' parameters could not arrive.
         """
-        if self._partitioned:
+        if self._exchanges:
             raise ValueError("first_step()/second_step() run the second pass outside second_pass(), so under "
                              "partition_group the other ranks' parameters would stay at x_t: use "
                              "step(closure, model=model), or perturb(), second_pass(model, rng) and descend()")
@@ -938,7 +951,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if loss is not None:
             raise TypeError(f"{type(self).__name__}.step(closure, loss=...): the closure returns the losses; "
                             "loss= is for step() without a closure (scaler.step(opt, loss=second))")
-        if self._partitioned and model is None:
+        if self._exchanges and model is None:
             raise ValueError(_PARTITION_MODEL)
         rng = P.rng_state()
         self._drop_grads()  # stale gradients (a first backward outside) must not add to g_t

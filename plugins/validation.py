@@ -80,6 +80,7 @@ KNOBS: Dict[str, Knob] = {
     "track_stability": Knob("bool"),
     "exact_restore": Knob("bool"),
     "partition_group": Knob("group", optional=True),
+    "model_gathers": Knob("bool"),  # PartitionGroup's: shards the model gathers itself (FSDP1's flat shards)
     # the base optimizer's, checked by the hosts that build it
     "lr": Knob("real", _NON_NEGATIVE),
     "weight_decay": Knob("real", _NON_NEGATIVE),

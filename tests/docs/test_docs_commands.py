@@ -279,6 +279,10 @@ COMMANDS = classified(
     ('python: mesh = init_device_mesh("cpu", (dist.get_world_size(),))', check_only(DIST_EXCERPT, check=DIST_EXAMPLE)),
     ('python: state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}',
      check_only(DIST_EXCERPT, check=DIST_EXAMPLE)),
+    ("python: model = FSDP(make_model())", check_only(
+        "fairscale's FSDP computes on CUDA only; the test runs this optimizer over FSDP's flat shards, made by "
+        "hand and by torch's FSDP1, on 2 gloo ranks",
+        check=".venv/bin/python -m pytest -q tests/distributed/test_flat_shards.py -k 2ranks", expect=("4 passed",))),
 
     # ---- docs/digits_results.md
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
