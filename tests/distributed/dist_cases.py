@@ -253,7 +253,8 @@ def _zero(kind, params, **extra):
 
 
 def host_waits():
-    """Each member, both APIs, under DDP, FSDP2 and ZeRO, over SGD (whose step reads
+    """Each member, both APIs, under DDP, FSDP2, ZeRO and flat shards the model gathers
+    (torch's FSDP1, ``PartitionGroup(model_gathers=True)``), over SGD (whose step reads
     nothing): the host waits of every step after the first (whose one-time checks and
     set-ups wait more), the diagnostics unread."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -261,6 +262,10 @@ def host_waits():
     _, init_device_mesh = _fsdp()
     world = dist.get_world_size()
     data = (my_slice(batches(world)) * 2)[:6]
+    # torch's FSDP1 without use_orig_params: flat shards the model gathers (on CPUs from torch 2.6)
+    fsdp1 = __import__("torch.distributed.fsdp", fromlist=["FullyShardedDataParallel"])
+    fsdp1 = fsdp1 if hasattr(fsdp1, "fully_shard") else None
+    flat = PartitionGroup(dist.group.WORLD, model_gathers=True)
     out = {}
     for kind in VARIANTS:
         for api in ("closure", "explicit"):
@@ -274,6 +279,11 @@ def host_waits():
             zero = _zero(kind, model.parameters())
             out[("ZeRO", kind, api)] = counted_steps(zero, model, data, api, step_model=model, finish=zero.step,
                                                    explicit_opt=zero.optim)[1:]
+            if fsdp1 is not None and not VARIANTS[kind][1].get("adaptive"):  # flat shards refuse adaptive geometry
+                model = fsdp1.FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"),
+                                                       use_orig_params=False)
+                opt = build(kind, model.parameters(), torch.optim.SGD, partition_group=flat)
+                out[("flat shards", kind, api)] = counted_steps(opt, model, data, api)[1:]
     return out
 
 
