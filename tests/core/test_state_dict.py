@@ -24,7 +24,9 @@ needs_dcp_helpers = pytest.mark.skipif(
 
 from plugins import SAM, VASSO
 
-from core_helpers import build, closure_for, flat, make_batches, make_model
+from plugins.perturbation import second_pass_coin
+
+from core_helpers import VARIANTS, build, closure_for, flat, make_batches, make_model
 
 # Made by the code of commit c0e16db (the format before this one: {"base_optimizer",
 # "state", "sharpness"}): for each case, the model and optimizer state dicts after 5
@@ -77,7 +79,9 @@ def test_each_entry_holds_the_base_moments_beside_ours():
     sd = opt.state_dict()
     first = model[0].weight
     entry = sd["state"][0]
-    assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent", "sam_counters"}
+    assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent", "sam_held",
+                          "sam_counters"}
+    assert entry["sam_held"] == {"slope": 1, "previous_ascent": 1}
     assert entry["exp_avg"] is opt.base_optimizer.state[first]["exp_avg"]
     assert entry["sam_slope"] is opt._own_state[first]["slope"]
     assert entry["sam_counters"]["step"] == 4 and entry["sam_counters"]["seed"] == 5
@@ -137,6 +141,82 @@ def test_a_checkpoint_taken_before_the_first_step_starts_vasso_at_d0_equal_g0():
     assert torch.equal(flat(model.parameters()), flat(reference.parameters()))
     for q, r in zip(model.parameters(), reference.parameters()):
         assert torch.equal(opt.state[q]["sam_slope"], ref_opt.state[r]["sam_slope"])
+
+
+def coin_seed(p, skipped=2):
+    """A seed whose coin skips the first ``skipped`` steps and takes the next (p = 1: any)."""
+    if p >= 1.0:
+        return 3
+    return next(s for s in range(1000) if not any(second_pass_coin(p, s, t) for t in range(skipped))
+                and second_pass_coin(p, s, skipped))
+
+
+def entry_keys(osd):
+    """The per-parameter keys of a nested ({fqn: sorted keys}) or flattened optimizer state dict."""
+    if "state" in osd:
+        return {fqn: sorted(entry) for fqn, entry in osd["state"].items()}
+    return sorted(k for k in osd if k.startswith("state."))
+
+
+# fresh; after only steps the coin skipped (p < 1); after the first two-pass step; mid-run
+POINTS = (0, 2, 3, 5)
+STEPS = 7
+
+
+def resume_through(route, model, opt, kind, seed, tmp_path, flatten):
+    """A new model and optimizer (another seed, which the checkpoint's must replace), loaded
+    from ``model``/``opt`` by ``route``: torch.distributed.checkpoint into the template of
+    the fresh optimizer, torch's state_dict()/load_state_dict(), or the entries assigned one
+    by one to ``opt.state[p]`` as ZeroRedundancyOptimizer.load_state_dict does."""
+    resumed = make_model(seed=9)
+    fresh = build(kind, resumed.parameters(), seed=seed + 1)
+    if route == "dcp":
+        import torch.distributed.checkpoint as dcp
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        saved = get_optimizer_state_dict(model, opt, options=options)
+        dcp.save({"model": model.state_dict(), "optim": saved}, checkpoint_id=tmp_path)
+        template = {"model": resumed.state_dict(), "optim": get_optimizer_state_dict(resumed, fresh, options=options)}
+        # dcp.load refuses a key of the template missing in the checkpoint, and ignores one it lacks
+        assert entry_keys(template["optim"]) == entry_keys(saved)
+        dcp.load(template, checkpoint_id=tmp_path)
+        resumed.load_state_dict(template["model"])
+        set_optimizer_state_dict(resumed, fresh, template["optim"], options=options)
+        return resumed, fresh
+    saved = copy.deepcopy(opt.state_dict())
+    resumed.load_state_dict(copy.deepcopy(model.state_dict()))
+    if route == "state_dict":
+        fresh.load_state_dict(saved)
+    else:
+        for i, q in enumerate(resumed.parameters()):
+            fresh.state[q] = saved["state"][i]
+        for group, saved_group in zip(fresh.param_groups, saved["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+    return resumed, fresh
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("route", [pytest.param("dcp", marks=needs_dcp_helpers), "state_dict", "entries"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "adaptive eVASSO"])
+def test_a_checkpoint_taken_at_any_point_resumes_bit_for_bit(kind, route, tmp_path):
+    """Before any step, after steps the coin skipped, after the first two-pass step and
+    mid-run: the fresh optimizer's entries have the checkpoint's keys (its buffers still
+    zero placeholders), loading drops the placeholders (VASSO's d_0 = g_0 all the same)
+    and the run continues bit for bit."""
+    p = VARIANTS[kind][1].get("p", 1.0)
+    seed = coin_seed(p)
+    batches = make_batches(STEPS)
+    for i, point in enumerate(POINTS):
+        model = make_model()
+        opt = build(kind, model.parameters(), seed=seed)
+        train(opt, model, batches[:point])
+        # VASSO's d_t is made on the first step, SAM's g on the first two-pass one (the third, p < 1)
+        made = point > 0 and (p == 1.0 or kind.endswith("VASSO") or point > 2)
+        assert all(e["sam_held"]["slope"] == made for e in opt.state_dict()["state"].values()), (kind, point)
+        resumed, fresh = resume_through(route, model, opt, kind, seed, tmp_path / str(point), flatten=i % 2 == 1)
+        assert fresh.num_steps == point and fresh.seed == seed, (kind, point)
+        train(opt, model, batches[point:])
+        train(fresh, resumed, batches[point:])
+        assert torch.equal(flat(resumed.parameters()), flat(model.parameters())), (kind, route, point)
 
 
 def test_entries_assigned_one_by_one_resume_bit_for_bit():

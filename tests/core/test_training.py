@@ -83,7 +83,7 @@ def test_state_dict_resume_is_bit_exact():
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()})
     # torch's shape: AdamW's moments and ours (eVASSO: d_t + the diagnostic's buffer) in one entry
     assert set(saved["opt"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent",
-                                             "sam_counters"}
+                                             "sam_held", "sam_counters"}
     assert saved["opt"]["state"][0]["sam_counters"]["step"] == 8
     model, opt = fresh()
     model.load_state_dict(saved["model"])
@@ -174,7 +174,7 @@ def test_plain_sam_and_vasso_hold_exactly_one_parameter_sized_buffer():
         opt = cls(model.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-3)
         assert state_bytes_after_steps(opt, model) == param_bytes, cls.__name__
         keys = {k for s in opt.state.values() for k in s if k.startswith("sam_")}
-        assert keys == {"sam_slope", "sam_counters"}
+        assert keys == {"sam_slope", "sam_held", "sam_counters"}
         base_bytes = sum(v.numel() * v.element_size() for s in opt.base_optimizer.state.values()
                          for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
         assert base_bytes == 2 * param_bytes  # AdamW's own two moments are separate

@@ -56,8 +56,8 @@ def test_consolidated_state_dict_of_optimizer_state_sharding_round_trips(checkpo
     for rank in two:
         zero = rank[wrapper]
         # one torch-shaped entry: AdamW's moments beside d_t, the diagnostic's buffer and the counters
-        assert zero["entries"] == ["exp_avg", "exp_avg_sq", "sam_counters", "sam_previous_ascent", "sam_slope",
-                                   "step"]
+        assert zero["entries"] == ["exp_avg", "exp_avg_sq", "sam_counters", "sam_held", "sam_previous_ascent",
+                                   "sam_slope", "step"]
         assert zero["loaded"] == {"step": BEFORE, "seed": 5, "nonfinite": 0}
         for got, want in zip(zero["resumed"], zero["uninterrupted"]):
             assert torch.equal(got, want)
