@@ -622,8 +622,10 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError("descend() without perturb(): call perturb() after the first backward")
         if pending["scaled"]:
             raise RuntimeError(_SCALED_STEP)
-        self._record_loss_gap(loss)
-        return self._descend()
+        # Through step() (closure-less: _finish_step), the attribute that torch's LR schedulers
+        # wrap to learn that the optimizer stepped (and that step hooks run around), so a
+        # scheduler sees this step as taken, as it does scaler.step(opt)'s.
+        return self.step(loss=loss)
 
     def _record_loss_gap(self, second) -> None:
         """``loss_gap`` of the step in flight from the losses the explicit API was handed."""
@@ -876,7 +878,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if self._pending["scaled"]:
             scaler.step(self)  # records the overflow in the scaler, then calls step() to finish
         else:
-            self.descend()
+            self._descend()  # not descend(): this step() is the one torch's wrappers see
         return loss
 
     def _set_loss_gap(self, gap) -> None:
