@@ -927,6 +927,36 @@ class SharpnessAware(torch.optim.Optimizer):
         self._record_loss_gap(loss)
         return self._descend(grad_scale, found_inf)
 
+    # ------------------------------------------------------------------ copy and pickle
+
+    # What a copy leaves out, as torch.optim.Optimizer.__getstate__ does (it keeps defaults,
+    # state and param_groups only): the hooks, an LR scheduler's step() wrapper and its flags
+    # (a scheduler stays bound to the original); and the step's caches, rebuilt empty.
+    _NOT_COPIED = frozenset({"state", "_lists", "_scratch", "_exchange", "step", "_opt_called", "_step_count"})
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """``copy.deepcopy`` and ``pickle`` give an independent optimizer that steps as this
+        one does, as for torch's optimizers; copy or pickle it together with its model
+        (``copy.deepcopy((model, opt))``) so that the copy optimizes the copied parameters.
+        Refused in the middle of a step, and with ``partition_group`` (a process group
+        cannot be copied): save :meth:`state_dict` there instead."""
+        if self._pending is not None:
+            raise RuntimeError(f"cannot copy or pickle a {type(self).__name__} in the middle of a step: call "
+                               "descend() or abandon() first")
+        if self.partition_group is not None:
+            raise TypeError(f"cannot copy or pickle a {type(self).__name__} built with partition_group (a process "
+                            "group cannot be copied): save its state_dict() and load it into an optimizer built "
+                            "on the live group")
+        self.diagnostics.wait()
+        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED and not k.startswith("_optimizer_")}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)  # torch's: empty hooks, its step() profiling wrapper
+        self.state = _MergedState(self)
+        self._lists = None
+        self._scratch = defaultdict(dict)
+        self._exchange = {}
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> Dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The optimizer's state dict: torch's shape, the earlier format, torch's checkpoint helpers.
+"""The optimizer's state dict: torch's shape, the earlier format, torch's checkpoint helpers;
+checkpoints at any point (before any step, after skipped steps); copy and pickle.
 
 ``state_dict()`` is ``{"state": {index: {...}}, "param_groups": [...]}`` with this
 wrapper's buffers (``sam_slope``, ``sam_previous_ascent``) and ``sam_counters`` in each
@@ -9,6 +10,7 @@ carry them (the distributed cases are in ``tests/distributed/test_state_*.py``).
 
 import copy
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from plugins import SAM, VASSO
 
 from plugins.perturbation import second_pass_coin
 
-from core_helpers import VARIANTS, build, closure_for, flat, make_batches, make_model
+from core_helpers import FAMILY, VARIANTS, build, closure_for, flat, make_batches, make_model
 
 # Made by the code of commit c0e16db (the format before this one: {"base_optimizer",
 # "state", "sharpness"}): for each case, the model and optimizer state dicts after 5
@@ -283,3 +285,39 @@ def test_malformed_state_dicts_are_refused():
     with pytest.raises(ValueError, match="not a sharpness-aware optimizer state dict"):
         opt.load_state_dict(plain)
     assert opt.num_steps == 2 and math.isfinite(opt.state[model[0].weight]["sam_counters"]["last_rho"])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_and_pickle_give_an_independent_optimizer_that_steps_as_the_original(how):
+    """As torch's optimizers: a copy of (model, optimizer), taken mid-run with a scheduler
+    and a hook attached (which the copy leaves out, as torch does), continues exactly as
+    the original, whose state it does not share."""
+    copy_of = copy.deepcopy if how == "deepcopy" else (lambda obj: pickle.loads(pickle.dumps(obj)))
+    for kind in FAMILY:
+        batches = make_batches(6)
+        model = make_model()
+        opt = build(kind, model.parameters(), seed=2, lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9 ** step)
+        opt.register_step_post_hook(lambda *_: None)  # a lambda: neither copied nor pickled
+        train(opt, model, batches[:3])
+        sched.step()
+        twin_model, twin = copy_of((model, opt))
+        assert twin.num_steps == 3 and twin.param_groups is twin.base_optimizer.param_groups, kind
+        first, twin_first = model[0].weight, twin_model[0].weight
+        assert twin.state[twin_first]["sam_slope"] is not opt.state[first]["sam_slope"], kind
+        assert torch.equal(twin.state[twin_first]["sam_slope"], opt.state[first]["sam_slope"]), kind
+        train(opt, model, batches[3:])
+        train(twin, twin_model, batches[3:])
+        assert torch.equal(flat(twin_model.parameters()), flat(model.parameters())), kind
+
+
+def test_copy_in_the_middle_of_a_step_is_refused():
+    model = make_model()
+    opt = build("VASSO", model.parameters())
+    x, y = make_batches(1)[0]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert opt.perturb()
+    with pytest.raises(RuntimeError, match="middle of a step: call descend"):
+        copy.deepcopy(opt)
+    opt.abandon()
+    assert copy.deepcopy(opt).num_steps == 1
