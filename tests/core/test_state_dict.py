@@ -26,9 +26,7 @@ needs_dcp_helpers = pytest.mark.skipif(
 
 from plugins import SAM, VASSO
 
-from plugins.perturbation import second_pass_coin
-
-from core_helpers import FAMILY, VARIANTS, build, closure_for, flat, make_batches, make_model
+from core_helpers import FAMILY, VARIANTS, build, closure_for, coin_seed, flat, make_batches, make_model
 
 # Made by the code of commit c0e16db (the format before this one: {"base_optimizer",
 # "state", "sharpness"}): for each case, the model and optimizer state dicts after 5
@@ -143,14 +141,6 @@ def test_a_checkpoint_taken_before_the_first_step_starts_vasso_at_d0_equal_g0():
     assert torch.equal(flat(model.parameters()), flat(reference.parameters()))
     for q, r in zip(model.parameters(), reference.parameters()):
         assert torch.equal(opt.state[q]["sam_slope"], ref_opt.state[r]["sam_slope"])
-
-
-def coin_seed(p, skipped=2):
-    """A seed whose coin skips the first ``skipped`` steps and takes the next (p = 1: any)."""
-    if p >= 1.0:
-        return 3
-    return next(s for s in range(1000) if not any(second_pass_coin(p, s, t) for t in range(skipped))
-                and second_pass_coin(p, s, skipped))
 
 
 def entry_keys(osd):

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from core_helpers import coin_seed
 from dist_cases import VARIANTS, build, full, make_model, run, shard
 
 KINDS = ("eVASSO", "GSAM", "adaptive eVASSO")  # d_t, the diagnostic's buffer and the coin; g and GSAM; ASAM
@@ -60,15 +61,6 @@ def resume_from(path, kind, data):
 
 ANY_POINT = ("SAM", "VASSO", "eSAM", "eVASSO")
 POINTS = (0, 2, 3, 4)  # fresh; after only steps the coin skipped (p < 1); after the first two-pass step; mid-run
-
-
-def coin_seed(p, skipped=2):
-    """A seed whose coin skips the first ``skipped`` steps and takes the next (p = 1: any)."""
-    from plugins.perturbation import second_pass_coin
-    if p >= 1.0:
-        return 5
-    return next(s for s in range(1000) if not any(second_pass_coin(p, s, t) for t in range(skipped))
-                and second_pass_coin(p, s, skipped))
 
 
 def at_any_point(root):

@@ -27,14 +27,13 @@ except ImportError as exc:
 
 import math
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 
 import torch
+from ports import free_port
 
 DRIVER = textwrap.dedent('''
     import os, sys
@@ -74,22 +73,6 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
-_PORTS = iter(random.Random(os.getpid()).sample(range(20000, 32000), 2000))
-
-
-def _free_port():
-    """A free port below Linux's ephemeral range (32768-60999): gloo's own connections take
-    ephemeral ports, which would otherwise clash with a run of this module that starts later."""
-    for port in _PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
-
-
 def _argv(fs, data, save_dir, optimizer, max_update, extra):
     return fs.model_args(data, save_dir, optimizer=optimizer, max_update=max_update, extra=[
         "--rho", "0.5", "--train-subset", "valid", "--disable-validation", "--dropout", "0.1",
@@ -104,7 +87,7 @@ class _Run:
     def __init__(self, fs, data, root, name, optimizer, max_update, extra, driver, half=False):
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         self.procs = []
         for rank in range(2):
             argv = _argv(fs, data, self.dir / "ckpt", optimizer, max_update, extra) + [
