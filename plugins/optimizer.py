@@ -964,12 +964,13 @@ class SharpnessAware(torch.optim.Optimizer):
 
         Each parameter's entry holds the base optimizer's state (Adam's ``exp_avg``, ...)
         beside this wrapper's: ``sam_slope`` (``d_t`` for VASSO), ``sam_previous_ascent``
-        where kept (zero placeholders until a step makes them, so that every entry has
-        the same keys at every step), ``sam_held`` (which of them are real) and ``sam_counters`` (the step counter and seed of the coin, the
-        skipped-step count and the last ascent's norms, the same in every entry, as Adam's
-        ``step``), so that tools which handle per-parameter state only (torch's
-        ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` under FSDP2,
-        ``ZeroRedundancyOptimizer.consolidate_state_dict``) carry all of it.  The param
+        where kept (zero placeholders until a step makes them, so that an entry has the
+        same keys at every step), ``sam_held`` (which of them are real) and
+        ``sam_counters`` (the step counter and seed of the coin, the skipped-step count and
+        the last ascent's norms, the same in every entry, as Adam's ``step``), so that
+        tools which handle per-parameter state only (torch's ``get_optimizer_state_dict`` /
+        ``set_optimizer_state_dict`` under FSDP2, ``ZeroRedundancyOptimizer.consolidate_state_dict``)
+        carry all of it.  The param
         groups are the base optimizer's (they carry ``rho``); ``"sharpness"`` repeats the
         counters with the knobs, for provenance.
         """
