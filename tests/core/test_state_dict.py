@@ -211,6 +211,26 @@ def test_a_checkpoint_taken_at_any_point_resumes_bit_for_bit(kind, route, tmp_pa
         assert torch.equal(flat(resumed.parameters()), flat(model.parameters())), (kind, route, point)
 
 
+@pytest.mark.parametrize("point", [0, 2])
+def test_entries_saved_before_sam_held_existed_still_load(point):
+    """The format before ``sam_held``: entries held placeholders at step 0 only (all of
+    them), real buffers after; both load and continue bit for bit."""
+    batches = make_batches(4)
+    model = make_model()
+    opt = build("VASSO", model.parameters())
+    train(opt, model, batches[:point])
+    saved = copy.deepcopy(opt.state_dict())
+    for entry in saved["state"].values():
+        del entry["sam_held"]
+    resumed = make_model(seed=9)
+    resumed.load_state_dict(model.state_dict())
+    fresh = build("VASSO", resumed.parameters())
+    fresh.load_state_dict(saved)
+    train(opt, model, batches[point:])
+    train(fresh, resumed, batches[point:])
+    assert torch.equal(flat(resumed.parameters()), flat(model.parameters()))
+
+
 def test_entries_assigned_one_by_one_resume_bit_for_bit():
     """ZeroRedundancyOptimizer.load_state_dict writes ``opt.state[p] = entry`` for each of its
     parameters and copies the param groups' values: the view must take that too."""
