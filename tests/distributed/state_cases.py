@@ -59,8 +59,10 @@ def resume_from(path, kind, data):
     return full(model.parameters()), loaded
 
 
-ANY_POINT = ("SAM", "VASSO", "eSAM", "eVASSO")
-POINTS = (0, 2, 3, 4)  # fresh; after only steps the coin skipped (p < 1); after the first two-pass step; mid-run
+# fresh; after steps the coin skipped (p < 1; for p = 1 the same as the next); after the first
+# two-pass step (mid-run for p = 1; state_cases' KINDS resume mid-run too)
+POINTS = {"SAM": (0, 3), "VASSO": (0, 3), "eSAM": (0, 2, 3), "eVASSO": (0, 2, 3)}
+ANY_POINT = tuple(POINTS)
 
 
 def at_any_point(root):
@@ -73,7 +75,7 @@ def at_any_point(root):
     for kind in ANY_POINT:
         seed = coin_seed(VARIANTS[kind][1].get("p", 1.0))
         out[kind] = {}
-        for point in POINTS:
+        for point in POINTS[kind]:
             path = os.path.join(root, f"{kind}-{point}")
             model = fsdp2_model()
             opt = build(kind, model.parameters(), seed=seed)

@@ -58,7 +58,7 @@ def test_fsdp2_checkpoint_taken_at_any_point_resumes_bit_for_bit(checkpoints):
     for rank in two:
         assert set(rank["any point"]) == set(ANY_POINT)
         for kind, points in rank["any point"].items():
-            assert points == {point: (True, True) for point in POINTS}, kind
+            assert points == {point: (True, True) for point in POINTS[kind]}, kind
 
 
 @pytest.mark.parametrize("wrapper", ["zero", "oss"], ids=["ZeroRedundancyOptimizer", "fairscale OSS"])
