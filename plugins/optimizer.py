@@ -713,8 +713,10 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError("descend() without perturb(): call perturb() after the first backward")
         if pending["scaled"]:
             raise RuntimeError(_SCALED_STEP)
-        self._record_loss_gap(loss)
-        return self._descend()
+        # Through step() (closure-less: _finish_step), the attribute that torch's LR schedulers
+        # wrap to learn that the optimizer stepped (and that step hooks run around), so a
+        # scheduler sees this step as taken, as it does scaler.step(opt)'s.
+        return self.step(loss=loss)
 
     def _record_loss_gap(self, second) -> None:
         """``loss_gap`` of the step in flight from the losses the explicit API was handed."""
@@ -971,7 +973,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if self._pending["scaled"]:
             scaler.step(self)  # records the overflow in the scaler, then calls step() to finish
         else:
-            self.descend()
+            self._descend()  # not descend(): this step() is the one torch's wrappers see
         return loss
 
     def _set_loss_gap(self, gap) -> None:
@@ -1020,6 +1022,36 @@ class SharpnessAware(torch.optim.Optimizer):
         self._record_loss_gap(loss)
         return self._descend(grad_scale, found_inf)
 
+    # ------------------------------------------------------------------ copy and pickle
+
+    # What a copy leaves out, as torch.optim.Optimizer.__getstate__ does (it keeps defaults,
+    # state and param_groups only): the hooks, an LR scheduler's step() wrapper and its flags
+    # (a scheduler stays bound to the original); and the step's caches, rebuilt empty.
+    _NOT_COPIED = frozenset({"state", "_lists", "_scratch", "_exchange", "step", "_opt_called", "_step_count"})
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """``copy.deepcopy`` and ``pickle`` give an independent optimizer that steps as this
+        one does, as for torch's optimizers; copy or pickle it together with its model
+        (``copy.deepcopy((model, opt))``) so that the copy optimizes the copied parameters.
+        Refused in the middle of a step, and with ``partition_group`` (a process group
+        cannot be copied): save :meth:`state_dict` there instead."""
+        if self._pending is not None:
+            raise RuntimeError(f"cannot copy or pickle a {type(self).__name__} in the middle of a step: call "
+                               "descend() or abandon() first")
+        if self.partition_group is not None:
+            raise TypeError(f"cannot copy or pickle a {type(self).__name__} built with partition_group (a process "
+                            "group cannot be copied): save its state_dict() and load it into an optimizer built "
+                            "on the live group")
+        self.diagnostics.wait()
+        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED and not k.startswith("_optimizer_")}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)  # torch's: empty hooks, its step() profiling wrapper
+        self.state = _MergedState(self)
+        self._lists = None
+        self._scratch = defaultdict(dict)
+        self._exchange = {}
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> Dict[str, Any]:
@@ -1027,11 +1059,13 @@ class SharpnessAware(torch.optim.Optimizer):
 
         Each parameter's entry holds the base optimizer's state (Adam's ``exp_avg``, ...)
         beside this wrapper's: ``sam_slope`` (``d_t`` for VASSO), ``sam_previous_ascent``
-        where kept, and ``sam_counters`` (the step counter and seed of the coin, the
-        skipped-step count and the last ascent's norms, the same in every entry, as Adam's
-        ``step``), so that tools which handle per-parameter state only (torch's
-        ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` under FSDP2,
-        ``ZeroRedundancyOptimizer.consolidate_state_dict``) carry all of it.  The param
+        where kept (zero placeholders until a step makes them, so that an entry has the
+        same keys at every step), ``sam_held`` (which of them are real) and
+        ``sam_counters`` (the step counter and seed of the coin, the skipped-step count and
+        the last ascent's norms, the same in every entry, as Adam's ``step``), so that
+        tools which handle per-parameter state only (torch's ``get_optimizer_state_dict`` /
+        ``set_optimizer_state_dict`` under FSDP2, ``ZeroRedundancyOptimizer.consolidate_state_dict``)
+        carry all of it.  The param
         groups are the base optimizer's (they carry ``rho``); ``"sharpness"`` repeats the
         counters with the knobs, for provenance.
         """
@@ -1043,9 +1077,8 @@ class SharpnessAware(torch.optim.Optimizer):
         for i, q in enumerate(self._all_params()):
             entry = dict(base["state"].get(i, {}))
             view = self.state[q]
-            entry.update((k, view[k]) for k in view.own_keys())  # not copied, as torch's are not
+            entry.update((k, view[k]) for k in view.own_keys())  # buffers not copied, as torch's are not
             if entry:
-                entry[_COUNTERS] = dict(counters)
                 state[i] = entry
         return {
             "state": state,
@@ -1103,11 +1136,10 @@ class SharpnessAware(torch.optim.Optimizer):
         by_key = dict(zip(saved, self._all_params()))
         self._own_state = defaultdict(dict)
         self._set_counters(counters[0])
-        if self._step > 0:  # before the first step, buffers are placeholders (see _MergedState)
-            for key, buffers in own.items():
-                q = by_key[key]
-                self._own_state[q] = {k: v.detach().to(device=q.device, dtype=q.dtype).clone()
-                                      for k, v in buffers.items()}
+        for key, buffers in own.items():  # real buffers only: _split_entry dropped the placeholders
+            q = by_key[key]
+            self._own_state[q] = {k: v.detach().to(device=q.device, dtype=q.dtype).clone()
+                                  for k, v in buffers.items()}
         self._scratch = defaultdict(dict)
         self._pending = None
         self._lists = None
@@ -1157,7 +1189,8 @@ class SharpnessAware(torch.optim.Optimizer):
         """True for ``step()`` as torch's checkpoint tools call it to create the state of an
         optimizer that has none (``torch.distributed.checkpoint.state_dict._init_optim_state``:
         every gradient zero, every lr 0, no closure)."""
-        if self.state or self._step or not self.param_groups:
+        # (not only at step 0: after steps the coin skipped, SAM over plain SGD holds no state yet)
+        if self.state or not self.param_groups:
             return False
         for group in self.param_groups:
             if float(group.get("lr", 0.0)) != 0.0:
@@ -1189,6 +1222,9 @@ class SharpnessAware(torch.optim.Optimizer):
 _KEYWORDS = frozenset(inspect.signature(SharpnessAware.__init__).parameters) - {"self", "params", "rho", "base_kwargs"}
 _OWN_PREFIX = "sam_"  # this wrapper's keys in a parameter's merged state: no torch optimizer uses it
 _COUNTERS = "sam_counters"
+# which of the entry's buffers are real (1) and which zero placeholders (0): the entry lists
+# every buffer at every step, so that a template from a fresh optimizer has the saved keys
+_HELD = "sam_held"
 _UNPREFIXED = ("opt.state[p] merges the base optimizer's state with this wrapper's, whose {key!r} is "
                "'sam_{key}' there (the wrapper's own store is opt._own_state)")
 
@@ -1204,20 +1240,29 @@ def _counters_dict(step, seed, nonfinite_steps, previous) -> Dict[str, Any]:
 
 
 def _split_entry(entry: Dict[str, Any]):
-    """One parameter's merged state -> (the base optimizer's, this wrapper's buffers, counters or None)."""
-    base, own, counters = {}, {}, None
+    """One parameter's merged state -> (the base optimizer's, this wrapper's real buffers,
+    counters or None).  Placeholders are dropped: those ``sam_held`` marks 0, and, in
+    entries saved before ``sam_held`` existed, every buffer of a state at step 0 (they
+    were all placeholders then)."""
+    base, own, counters, held = {}, {}, None, None
     for key, value in entry.items():
         if key == _COUNTERS:
             counters = {k: value[k] for k in ("step", "seed", "nonfinite_steps", "last_rho", "last_slope_norm",
                                                "last_ascent_norm")}
+        elif key == _HELD:
+            held = value
         elif isinstance(key, str) and key.startswith(_OWN_PREFIX):
             name = key[len(_OWN_PREFIX):]
             if name not in _PERSISTENT:
                 raise ValueError(f"unknown sharpness-aware state {key!r} (known: "
-                                 f"{[_OWN_PREFIX + n for n in _PERSISTENT] + [_COUNTERS]})")
+                                 f"{[_OWN_PREFIX + n for n in _PERSISTENT] + [_HELD, _COUNTERS]})")
             own[name] = value
         else:
             base[key] = value
+    if held is not None:
+        own = {name: v for name, v in own.items() if int(held.get(name, 0))}
+    elif counters is not None and int(counters["step"]) == 0:
+        own = {}
     return base, own, counters
 
 
@@ -1241,11 +1286,18 @@ class _MergedState(MutableMapping):
     ``opt.state`` (``ZeroRedundancyOptimizer.load_state_dict`` assigns ``opt.state[p]``;
     ``set_optimizer_state_dict`` lists ``opt.state[p]``'s keys), so this view routes each
     key to where it lives: ``sam_*`` to the wrapper, the rest to the base optimizer.  A
-    parameter is in the mapping when it holds real state; before the first step, a
-    parameter that requires a gradient also lists zero placeholders of the buffers this
-    configuration will hold, so that a checkpoint template made from a fresh optimizer
-    has a tensor for each of them (they are never used: loading a state dict saved
-    before any step drops them, and the first step creates the buffers anew).
+    parameter is in the mapping when it holds real state.
+
+    An entry lists the same keys at every step: a parameter that requires a gradient
+    lists every buffer this configuration keeps (``_persistent_names``), as a zero
+    placeholder until the step that makes it (VASSO's ``d_t`` on the first finite step,
+    SAM's ``g`` and the stability's ``previous_ascent`` on the first two-pass step), and
+    ``sam_held`` says which are real.  ``torch.distributed.checkpoint`` loads into a
+    template made from a freshly built optimizer and needs every key it holds to be in
+    the checkpoint (and loads no key that is not in it), so a checkpoint taken at any
+    point (before any step, after steps the coin skipped) has the fresh optimizer's keys.
+    Loading drops the placeholders: a buffer made later starts as the step makes it
+    (VASSO's ``d_0 = g_0``), not from zeros.
     """
 
     __slots__ = ("_opt",)
@@ -1305,22 +1357,24 @@ class _ParamState(MutableMapping):
         self._opt, self._q = opt, q
 
     def own_keys(self) -> List[str]:
-        """This wrapper's buffers for the parameter (``sam_slope``, ...), placeholders included."""
-        return list(self._own())
+        """This wrapper's keys for the parameter: its buffers (``sam_slope``, ...,
+        placeholders included), ``sam_held`` and ``sam_counters``; empty when the
+        parameter has no entry."""
+        return list(self._own()) + ([_HELD, _COUNTERS] if self._keys() else [])
 
-    def _own(self) -> Dict[str, Any]:
+    def _own(self) -> Dict[str, bool]:
+        """``sam_<buffer>`` -> whether it is real (False: a zero placeholder, see _MergedState)."""
         opt, q = self._opt, self._q
-        own = opt._own_state.get(q)
-        if own:
-            return {_OWN_PREFIX + k: v for k, v in own.items() if k in _PERSISTENT}
-        if opt._step == 0 and getattr(q, "requires_grad", False):  # placeholders, see _MergedState
-            return {_OWN_PREFIX + k: None for k in opt._persistent_names()}
-        return {}
+        own = opt._own_state.get(q, {})
+        real = {_OWN_PREFIX + k: True for k in own if k in _PERSISTENT}
+        if getattr(q, "requires_grad", False):
+            real.update((_OWN_PREFIX + k, False) for k in opt._persistent_names() if k not in own)
+        return real
 
     def _keys(self) -> List[str]:
         base = list(self._opt.base_optimizer.state.get(self._q, ()))
         own = list(self._own())
-        return base + own + ([_COUNTERS] if base or own else [])
+        return base + own + ([_HELD, _COUNTERS] if base or own else [])
 
     def __contains__(self, key) -> bool:
         if key in _PERSISTENT:  # the internal name: code meaning the wrapper's buffer must not read False
@@ -1333,6 +1387,8 @@ class _ParamState(MutableMapping):
             raise KeyError(_UNPREFIXED.format(key=key))
         if key == _COUNTERS and self._keys():
             return opt._counters()
+        if key == _HELD and self._keys():
+            return {k[len(_OWN_PREFIX):]: int(real) for k, real in self._own().items()}
         if isinstance(key, str) and key.startswith(_OWN_PREFIX):
             own = opt._own_state.get(q, {})
             name = key[len(_OWN_PREFIX):]
@@ -1347,6 +1403,10 @@ class _ParamState(MutableMapping):
         opt, q = self._opt, self._q
         if key == _COUNTERS:
             opt._set_counters(value)
+        elif key == _HELD:  # entries copied key by key: the placeholders copied before it go
+            for name, real in value.items():
+                if not int(real):
+                    opt._own_state.get(q, {}).pop(name, None)
         elif isinstance(key, str) and key.startswith(_OWN_PREFIX):
             _, own, _ = _split_entry({key: value})
             opt._own_state[q].update(own)
@@ -1356,9 +1416,9 @@ class _ParamState(MutableMapping):
 
     def __delitem__(self, key) -> None:
         opt, q = self._opt, self._q
-        if isinstance(key, str) and key.startswith(_OWN_PREFIX) and key != _COUNTERS:
+        if isinstance(key, str) and key.startswith(_OWN_PREFIX) and key not in (_COUNTERS, _HELD):
             del opt._own_state[q][key[len(_OWN_PREFIX):]]
-        elif key == _COUNTERS:
+        elif key in (_COUNTERS, _HELD):
             raise KeyError(f"{key!r} is the optimizer's, it cannot be deleted")
         else:
             del opt.base_optimizer.state[q][key]
@@ -1577,7 +1637,7 @@ class VASSO(SharpnessAware):
     ...     opt.zero_grad(); loss = model(torch.ones(2, 3)).pow(2).mean(); loss.backward(); return loss
     >>> _ = opt.step(closure)
     >>> sorted(opt.state[model.weight])     # AdamW's moments beside d_t and the wrapper's counters
-    ['exp_avg', 'exp_avg_sq', 'sam_counters', 'sam_slope', 'step']
+    ['exp_avg', 'exp_avg_sq', 'sam_counters', 'sam_held', 'sam_slope', 'step']
     """
 
     def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: float = 0.4, **kwargs):

@@ -6,6 +6,7 @@
   decoupled weight decay), with the paper's test BLEU;
 * where the fairseq console scripts and the ``fairseq_vasso`` user-dir are;
 * ``train_command``: the recipe's fairseq-train command line for one row and seed;
+  ``toy_train_args``: the tiny transformer on the toy corpus (self-test, tests);
 * ``run_logged``: run a fairseq command with its output in a log file (in a process group
   of its own, which ``interruptible()`` ends on Ctrl-C or SIGTERM), and judge
   a ``fairseq-train`` run by its log: with some torch/fairseq builds the process
@@ -88,6 +89,27 @@ def train_command(data, method, seed, save_dir, *, rho=PAPER_RHO, max_epoch=50,
         cmd += EVAL_BLEU
     cmd += list(extra)
     return cmd
+
+
+def toy_train_args(data, save_dir, *, optimizer_flags, lr, max_update, seed=3):
+    """fairseq-train's arguments (no program name) for the toy corpus
+    (:mod:`fairseq_vasso.nmt.toy_corpus`), as the self-test and the fairseq tests train
+    it: a 1+1-layer transformer of width 32 with label-smoothed cross-entropy, AdamW's
+    betas and weight decay, an inverse-sqrt schedule warming up over 4 updates, JSON
+    logs of every update.  ``optimizer_flags`` pick the optimizer (``["--optimizer",
+    "vasso", "--rho", "0.1"]``); the caller adds the device, saving and the rest."""
+    return [str(data), "--user-dir", default_user_dir(),
+            "--task", "translation", "--source-lang", "de", "--target-lang", "en",
+            "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+            "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+            "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+            "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+            "--share-decoder-input-output-embed", "--dropout", "0.1",
+            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            *optimizer_flags, "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.0001",
+            "--lr", str(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
+            "--max-tokens", "400", "--max-update", str(max_update), "--seed", str(seed),
+            "--num-workers", "0", "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1"]
 
 
 def fairseq_bin(name):

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from plugins.lab.selftest.checks import CheckFailed, Skipped
 
 from .logs import parse_fairseq_log_text
+from .recipe import toy_train_args
 from .toy_corpus import write_corpus
 
 #: precision mode -> fairseq-train flags (fp32 on the CPU, the loss-scaled modes on CUDA)
@@ -85,21 +86,9 @@ def prepare_data(workdir: str) -> str:
 
 def train_args(data: str, save_dir: str, device: str, mode: str, extra: Sequence[str] = ()) -> List[str]:
     """fairseq-train's arguments: a 1+1-layer transformer of width 32, vasso, ``UPDATES`` updates."""
-    import fairseq_vasso
-
-    args = [data, "--user-dir", os.path.dirname(os.path.abspath(fairseq_vasso.__file__)),
-            "--task", "translation", "--source-lang", "de", "--target-lang", "en",
-            "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
-            "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-            "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
-            "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-            "--share-decoder-input-output-embed", "--dropout", "0.1",
-            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--optimizer", "vasso", "--rho", "0.1", "--theta", "0.4", "--adam-betas", "(0.9, 0.98)",
-            "--weight-decay", "0.0001", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
-            "--clip-norm", str(CLIP), "--max-tokens", "400", "--max-update", str(UPDATES), "--seed", "3",
-            "--num-workers", "0", "--save-dir", save_dir, "--no-save", "--disable-validation",
-            "--log-format", "json", "--log-interval", "1", *MODES[mode], *extra]
+    args = toy_train_args(data, save_dir, optimizer_flags=["--optimizer", "vasso", "--rho", "0.1", "--theta", "0.4"],
+                          lr=3e-3, max_update=UPDATES)
+    args += ["--clip-norm", str(CLIP), "--no-save", "--disable-validation", *MODES[mode], *extra]
     if device == "cpu":
         args.append("--cpu")
     return args

@@ -59,6 +59,15 @@ def build(kind: str, params, base=torch.optim.AdamW, **kw):
 FAMILY = list(VARIANTS)
 
 
+def coin_seed(p: float, skipped: int = 2) -> int:
+    """A seed whose coin skips the first ``skipped`` steps and takes the next (p = 1: any)."""
+    from plugins.perturbation import second_pass_coin
+    if p >= 1.0:
+        return 5
+    return next(s for s in range(1000) if not any(second_pass_coin(p, s, t) for t in range(skipped))
+                and second_pass_coin(p, s, skipped))
+
+
 # ------------------------------------------------------------------ host synchronizations
 # The counters live in the package (vasso-selftest counts with the same ones on the CPU).
 from plugins.lab.selftest.syncs import SYNC_CALLS, CountSyncCalls, CountSyncs  # noqa: E402,F401

@@ -112,7 +112,8 @@ class Run:
 
     def slopes(self):
         """The slope buffers (VASSO's d_t; SAM's last g), empty where none was kept."""
-        kept = [self.opt.state[q]["sam_slope"] for q in self.model.parameters() if "sam_slope" in self.opt.state[q]]
+        kept = [self.opt.state[q]["sam_slope"] for q in self.model.parameters()
+                if self.opt.state[q]["sam_held"]["slope"]]
         return flat(kept).cpu() if kept else torch.zeros(0)
 
 

@@ -1,4 +1,5 @@
-"""The optimizer's state dict: torch's shape, the earlier format, torch's checkpoint helpers.
+"""The optimizer's state dict: torch's shape, the earlier format, torch's checkpoint helpers;
+checkpoints at any point (before any step, after skipped steps); copy and pickle.
 
 ``state_dict()`` is ``{"state": {index: {...}}, "param_groups": [...]}`` with this
 wrapper's buffers (``sam_slope``, ``sam_previous_ascent``) and ``sam_counters`` in each
@@ -9,6 +10,7 @@ carry them (the distributed cases are in ``tests/distributed/test_state_*.py``).
 
 import copy
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ needs_dcp_helpers = pytest.mark.skipif(
 
 from plugins import SAM, VASSO
 
-from core_helpers import build, closure_for, flat, make_batches, make_model
+from core_helpers import FAMILY, VARIANTS, build, closure_for, coin_seed, flat, make_batches, make_model
 
 # Made by the code of commit c0e16db (the format before this one: {"base_optimizer",
 # "state", "sharpness"}): for each case, the model and optimizer state dicts after 5
@@ -77,7 +79,9 @@ def test_each_entry_holds_the_base_moments_beside_ours():
     sd = opt.state_dict()
     first = model[0].weight
     entry = sd["state"][0]
-    assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent", "sam_counters"}
+    assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent", "sam_held",
+                          "sam_counters"}
+    assert entry["sam_held"] == {"slope": 1, "previous_ascent": 1}
     assert entry["exp_avg"] is opt.base_optimizer.state[first]["exp_avg"]
     assert entry["sam_slope"] is opt._own_state[first]["slope"]
     assert entry["sam_counters"]["step"] == 4 and entry["sam_counters"]["seed"] == 5
@@ -137,6 +141,94 @@ def test_a_checkpoint_taken_before_the_first_step_starts_vasso_at_d0_equal_g0():
     assert torch.equal(flat(model.parameters()), flat(reference.parameters()))
     for q, r in zip(model.parameters(), reference.parameters()):
         assert torch.equal(opt.state[q]["sam_slope"], ref_opt.state[r]["sam_slope"])
+
+
+def entry_keys(osd):
+    """The per-parameter keys of a nested ({fqn: sorted keys}) or flattened optimizer state dict."""
+    if "state" in osd:
+        return {fqn: sorted(entry) for fqn, entry in osd["state"].items()}
+    return sorted(k for k in osd if k.startswith("state."))
+
+
+# fresh; after only steps the coin skipped (p < 1); after the first two-pass step; mid-run
+POINTS = (0, 2, 3, 5)
+STEPS = 7
+
+
+def resume_through(route, model, opt, kind, seed, tmp_path, flatten):
+    """A new model and optimizer (another seed, which the checkpoint's must replace), loaded
+    from ``model``/``opt`` by ``route``: torch.distributed.checkpoint into the template of
+    the fresh optimizer, torch's state_dict()/load_state_dict(), or the entries assigned one
+    by one to ``opt.state[p]`` as ZeroRedundancyOptimizer.load_state_dict does."""
+    resumed = make_model(seed=9)
+    fresh = build(kind, resumed.parameters(), seed=seed + 1)
+    if route == "dcp":
+        import torch.distributed.checkpoint as dcp
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        saved = get_optimizer_state_dict(model, opt, options=options)
+        dcp.save({"model": model.state_dict(), "optim": saved}, checkpoint_id=tmp_path)
+        template = {"model": resumed.state_dict(), "optim": get_optimizer_state_dict(resumed, fresh, options=options)}
+        # dcp.load refuses a key of the template missing in the checkpoint, and ignores one it lacks
+        assert entry_keys(template["optim"]) == entry_keys(saved)
+        dcp.load(template, checkpoint_id=tmp_path)
+        resumed.load_state_dict(template["model"])
+        set_optimizer_state_dict(resumed, fresh, template["optim"], options=options)
+        return resumed, fresh
+    saved = copy.deepcopy(opt.state_dict())
+    resumed.load_state_dict(copy.deepcopy(model.state_dict()))
+    if route == "state_dict":
+        fresh.load_state_dict(saved)
+    else:
+        for i, q in enumerate(resumed.parameters()):
+            fresh.state[q] = saved["state"][i]
+        for group, saved_group in zip(fresh.param_groups, saved["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+    return resumed, fresh
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("route", [pytest.param("dcp", marks=needs_dcp_helpers), "state_dict", "entries"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "adaptive eVASSO"])
+def test_a_checkpoint_taken_at_any_point_resumes_bit_for_bit(kind, route, tmp_path):
+    """Before any step, after steps the coin skipped, after the first two-pass step and
+    mid-run: the fresh optimizer's entries have the checkpoint's keys (its buffers still
+    zero placeholders), loading drops the placeholders (VASSO's d_0 = g_0 all the same)
+    and the run continues bit for bit."""
+    p = VARIANTS[kind][1].get("p", 1.0)
+    seed = coin_seed(p)
+    batches = make_batches(STEPS)
+    for i, point in enumerate(POINTS):
+        model = make_model()
+        opt = build(kind, model.parameters(), seed=seed)
+        train(opt, model, batches[:point])
+        # VASSO's d_t is made on the first step, SAM's g on the first two-pass one (the third, p < 1)
+        made = point > 0 and (p == 1.0 or kind.endswith("VASSO") or point > 2)
+        assert all(e["sam_held"]["slope"] == made for e in opt.state_dict()["state"].values()), (kind, point)
+        resumed, fresh = resume_through(route, model, opt, kind, seed, tmp_path / str(point), flatten=i % 2 == 1)
+        assert fresh.num_steps == point and fresh.seed == seed, (kind, point)
+        train(opt, model, batches[point:])
+        train(fresh, resumed, batches[point:])
+        assert torch.equal(flat(resumed.parameters()), flat(model.parameters())), (kind, route, point)
+
+
+@pytest.mark.parametrize("point", [0, 2])
+def test_entries_saved_before_sam_held_existed_still_load(point):
+    """The format before ``sam_held``: entries held placeholders at step 0 only (all of
+    them), real buffers after; both load and continue bit for bit."""
+    batches = make_batches(4)
+    model = make_model()
+    opt = build("VASSO", model.parameters())
+    train(opt, model, batches[:point])
+    saved = copy.deepcopy(opt.state_dict())
+    for entry in saved["state"].values():
+        del entry["sam_held"]
+    resumed = make_model(seed=9)
+    resumed.load_state_dict(model.state_dict())
+    fresh = build("VASSO", resumed.parameters())
+    fresh.load_state_dict(saved)
+    train(opt, model, batches[point:])
+    train(fresh, resumed, batches[point:])
+    assert torch.equal(flat(resumed.parameters()), flat(model.parameters()))
 
 
 def test_entries_assigned_one_by_one_resume_bit_for_bit():
@@ -203,3 +295,39 @@ def test_malformed_state_dicts_are_refused():
     with pytest.raises(ValueError, match="not a sharpness-aware optimizer state dict"):
         opt.load_state_dict(plain)
     assert opt.num_steps == 2 and math.isfinite(opt.state[model[0].weight]["sam_counters"]["last_rho"])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_and_pickle_give_an_independent_optimizer_that_steps_as_the_original(how):
+    """As torch's optimizers: a copy of (model, optimizer), taken mid-run with a scheduler
+    and a hook attached (which the copy leaves out, as torch does), continues exactly as
+    the original, whose state it does not share."""
+    copy_of = copy.deepcopy if how == "deepcopy" else (lambda obj: pickle.loads(pickle.dumps(obj)))
+    for kind in FAMILY:
+        batches = make_batches(6)
+        model = make_model()
+        opt = build(kind, model.parameters(), seed=2, lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9 ** step)
+        opt.register_step_post_hook(lambda *_: None)  # a lambda: neither copied nor pickled
+        train(opt, model, batches[:3])
+        sched.step()
+        twin_model, twin = copy_of((model, opt))
+        assert twin.num_steps == 3 and twin.param_groups is twin.base_optimizer.param_groups, kind
+        first, twin_first = model[0].weight, twin_model[0].weight
+        assert twin.state[twin_first]["sam_slope"] is not opt.state[first]["sam_slope"], kind
+        assert torch.equal(twin.state[twin_first]["sam_slope"], opt.state[first]["sam_slope"]), kind
+        train(opt, model, batches[3:])
+        train(twin, twin_model, batches[3:])
+        assert torch.equal(flat(twin_model.parameters()), flat(model.parameters())), kind
+
+
+def test_copy_in_the_middle_of_a_step_is_refused():
+    model = make_model()
+    opt = build("VASSO", model.parameters())
+    x, y = make_batches(1)[0]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert opt.perturb()
+    with pytest.raises(RuntimeError, match="middle of a step: call descend"):
+        copy.deepcopy(opt)
+    opt.abandon()
+    assert copy.deepcopy(opt).num_steps == 1

@@ -83,7 +83,7 @@ def test_state_dict_resume_is_bit_exact():
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()})
     # torch's shape: AdamW's moments and ours (eVASSO: d_t + the diagnostic's buffer) in one entry
     assert set(saved["opt"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "sam_slope", "sam_previous_ascent",
-                                             "sam_counters"}
+                                             "sam_held", "sam_counters"}
     assert saved["opt"]["state"][0]["sam_counters"]["step"] == 8
     model, opt = fresh()
     model.load_state_dict(saved["model"])
@@ -121,6 +121,62 @@ def test_scheduler_on_either_object_drives_the_lr_used(on):
     opt.step(closure_for(opt, model, x, y))
     # only the rounding of the restore (one add, one subtract) remains; an lr of 1 moves ~1e-1
     torch.testing.assert_close(flat(model.parameters()), before, rtol=0, atol=1e-6)
+
+
+def _scheduled_run(api):
+    """eVASSO with a LambdaLR on the wrapper, 4 steps through ``api``: the lr after each
+    scheduler step, the warnings, the step post-hook's calls and the final weights."""
+    from plugins.perturbation import rng_state
+
+    model = make_model()
+    opt = build("eVASSO", model.parameters(), seed=1, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    hooked = []
+    opt.register_step_post_hook(lambda *_: hooked.append(1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if api == "scaler" else None
+    lrs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in make_batches(4):
+            if api == "closure":
+                opt.step(closure_for(opt, model, x, y))
+            elif api == "first_step":
+                first_backward(model, x, y)
+                opt.first_step(zero_grad=True)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.second_step(zero_grad=True)
+            else:  # perturb/second_pass, finished by descend() or scaler.step(opt)
+                scale = scaler.scale if scaler is not None else (lambda loss: loss)
+                rng = rng_state()
+                opt.zero_grad()
+                scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+                if opt.perturb(scaler=scaler):
+                    opt.zero_grad()
+                    with opt.second_pass(model, rng):
+                        scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.descend()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    return lrs, [str(w.message) for w in caught], len(hooked), flat(model.parameters())
+
+
+@pytest.mark.parametrize("api", ["explicit", "first_step", pytest.param("scaler", marks=pytest.mark.skipif(
+    not hasattr(torch.amp, "GradScaler"), reason="torch.amp.GradScaler (a real scaler on the CPU): torch >= 2.3"))])
+def test_a_scheduler_sees_the_explicit_apis_steps_as_the_closures(api):
+    """torch's schedulers learn that the optimizer stepped from the step() they wrap: each
+    API's step goes through it once (no "lr_scheduler.step() before optimizer.step()"
+    warning, the step hooks run once), and the lr sequence is the closure API's."""
+    lrs, caught, hooked, weights = _scheduled_run(api)
+    want_lrs, want_caught, want_hooked, want_weights = _scheduled_run("closure")
+    assert want_caught == [] and want_hooked == 4
+    assert caught == [] and hooked == 4
+    assert lrs == want_lrs == [0.1 * 0.5 ** k for k in range(1, 5)]
+    if api != "scaler":  # (the scaler's unscaling rounds differently)
+        assert torch.equal(weights, want_weights)
 
 
 def test_evasso_coin_is_binomial_updates_d_every_step_and_resumes():
@@ -174,7 +230,7 @@ def test_plain_sam_and_vasso_hold_exactly_one_parameter_sized_buffer():
         opt = cls(model.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-3)
         assert state_bytes_after_steps(opt, model) == param_bytes, cls.__name__
         keys = {k for s in opt.state.values() for k in s if k.startswith("sam_")}
-        assert keys == {"sam_slope", "sam_counters"}
+        assert keys == {"sam_slope", "sam_held", "sam_counters"}
         base_bytes = sum(v.numel() * v.element_size() for s in opt.base_optimizer.state.values()
                          for v in s.values() if torch.is_tensor(v) and v.ndim > 0)
         assert base_bytes == 2 * param_bytes  # AdamW's own two moments are separate
@@ -358,7 +414,7 @@ def test_a_parameter_that_starts_receiving_gradients_late(kind):
             return loss
         opt.step(closure)
         assert torch.isfinite(flat(model.parameters())).all()
-    assert "sam_slope" in opt.state[late] or kind in ("ASAM",) or opt.theta is None
+    assert opt.state[late]["sam_held"]["slope"] == 1 or kind in ("ASAM",) or opt.theta is None
 
 
 @pytest.mark.parametrize("cls", [SAM, VASSO])

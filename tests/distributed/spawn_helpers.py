@@ -11,22 +11,16 @@ checks many cases is much cheaper than many spawns: batch the cases in the funct
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+from ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world: int, target: str, *args, timeout: float = 240.0):
@@ -36,6 +30,7 @@ def run_ranks(world: int, target: str, *args, timeout: float = 240.0):
         port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([REPO, HERE, os.path.join(REPO, "tests", "core"),
+                                              os.path.join(REPO, "tests", "helpers"),
                                               os.environ.get("PYTHONPATH", "")])}
         procs, logs = [], []
         for rank in range(world):

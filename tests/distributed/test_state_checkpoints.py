@@ -3,7 +3,9 @@ FSDP2 saves and loads the optimizer (d_t, the diagnostic's buffer, AdamW's momen
 step counter and the coin's seed) through get/set_optimizer_state_dict; resuming on the
 same world size continues bit for bit, on another world size (2 -> 4 ranks, one of them
 with an empty shard) to float rounding; ZeroRedundancyOptimizer's consolidate_state_dict
-round-trips, and fairscale OSS's.  Two spawns in all (state_cases.py runs the cases)."""
+round-trips, and fairscale OSS's; a checkpoint taken at any point (before any step, after
+steps the coin skipped) loads into a fresh optimizer and resumes bit for bit.  Two spawns
+in all (state_cases.py runs the cases)."""
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ pytest.importorskip("torch.distributed.checkpoint")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):
     pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
 
-from state_cases import AFTER, BEFORE, KINDS  # noqa: E402
+from state_cases import AFTER, ANY_POINT, BEFORE, KINDS, POINTS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,17 @@ def test_fsdp2_resume_on_four_ranks_continues_the_two_rank_trajectory(checkpoint
             assert worst <= 1e-5, (kind, worst)  # without d_t restored: 6e-3 (tried)
 
 
+def test_fsdp2_checkpoint_taken_at_any_point_resumes_bit_for_bit(checkpoints):
+    """Before any step, after steps the coin skipped (eSAM: no g yet; eVASSO: no previous
+    ascent yet), after the first two-pass step, mid-run: a freshly built optimizer's
+    template has the checkpoint's keys, and the resumed run is the uninterrupted one."""
+    two, _ = checkpoints
+    for rank in two:
+        assert set(rank["any point"]) == set(ANY_POINT)
+        for kind, points in rank["any point"].items():
+            assert points == {point: (True, True) for point in POINTS[kind]}, kind
+
+
 @pytest.mark.parametrize("wrapper", ["zero", "oss"], ids=["ZeroRedundancyOptimizer", "fairscale OSS"])
 def test_consolidated_state_dict_of_optimizer_state_sharding_round_trips(checkpoints, wrapper):
     two, _ = checkpoints
@@ -56,8 +69,20 @@ def test_consolidated_state_dict_of_optimizer_state_sharding_round_trips(checkpo
     for rank in two:
         zero = rank[wrapper]
         # one torch-shaped entry: AdamW's moments beside d_t, the diagnostic's buffer and the counters
-        assert zero["entries"] == ["exp_avg", "exp_avg_sq", "sam_counters", "sam_previous_ascent", "sam_slope",
-                                   "step"]
+        assert zero["entries"] == ["exp_avg", "exp_avg_sq", "sam_counters", "sam_held", "sam_previous_ascent",
+                                   "sam_slope", "step"]
         assert zero["loaded"] == {"step": BEFORE, "seed": 5, "nonfinite": 0}
+        assert "partition_group" in zero["copy refused"] and "state_dict()" in zero["copy refused"]
+        for got, want in zip(zero["resumed"], zero["uninterrupted"]):
+            assert torch.equal(got, want)
+
+
+def test_zero_consolidated_before_any_step_round_trips(checkpoints):
+    """Every buffer a placeholder then: loading them must not replace eVASSO's d_0 = g_0."""
+    two, _ = checkpoints
+    for rank in two:
+        zero = rank["zero at step 0"]
+        assert zero["entries"] == ["sam_counters", "sam_held", "sam_previous_ascent", "sam_slope"]
+        assert zero["loaded"] == {"step": 0, "seed": 5, "nonfinite": 0}
         for got, want in zip(zero["resumed"], zero["uninterrupted"]):
             assert torch.equal(got, want)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core_helpers import build, flat, make_batches, make_model
+from core_helpers import build, closure_for, flat, make_batches, make_model
 from plugins import rng_state
 
 
@@ -25,12 +25,7 @@ def torch_style_run(kind, batches, **kw):
     model = make_model(batchnorm=True)
     opt = build(kind, model.parameters(), **kw)
     for x, y in batches:
-        def closure():
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-        opt.step(closure, model=model)
+        opt.step(closure_for(opt, model, x, y), model=model)
     return model, opt
 
 
@@ -143,12 +138,7 @@ def test_the_official_call_with_its_extra_arguments_fails_loudly():
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(TypeError, match="loss= is for step"):  # a closure returns its losses
         opt.step(lambda: F.cross_entropy(model(x), y).backward(), loss=1.0)
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-    opt.step(closure, model=model)
+    opt.step(closure_for(opt, model, x, y), model=model)
     assert parameters_close(model, expected)
 
 

@@ -113,21 +113,10 @@ def toy_data(tmp_path_factory):
 
 def model_args(data, save_dir, *, optimizer="vasso", max_update=8, extra=()):
     """fairseq-train arguments of the stock AdamW recipe on a tiny transformer."""
-    args = [
-        str(data), "--user-dir", user_dir(), "--task", "translation", "--source-lang", "de", "--target-lang", "en",
-        "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
-        "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-        "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
-        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-        "--share-decoder-input-output-embed", "--dropout", "0.1",
-        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--optimizer", optimizer, "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.0001",
-        "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
-        "--max-tokens", "400", "--max-update", str(max_update), "--seed", "3",
-        "--cpu", "--num-workers", "0", "--save-dir", str(save_dir), "--no-epoch-checkpoints",
-        "--log-format", "json", "--log-interval", "1",
-    ]
-    return args + list(extra)
+    from fairseq_vasso.nmt.recipe import toy_train_args
+
+    args = toy_train_args(data, save_dir, optimizer_flags=["--optimizer", optimizer], lr=2e-3, max_update=max_update)
+    return args + ["--cpu", "--no-epoch-checkpoints", *extra]
 
 
 class _Capture(logging.Handler):

@@ -17,12 +17,12 @@ except ImportError as exc:  # not installed, or broken against this torch
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import torch
+from ports import free_port
 
 DRIVER = textwrap.dedent('''
     import os, sys
@@ -56,12 +56,6 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _common(fs, data, save_dir):
     return fs.model_args(data, save_dir, optimizer="vasso", max_update=4, extra=[
         "--rho", "0.5", "--theta", "0.4", "--train-subset", "valid", "--disable-validation",
@@ -73,7 +67,7 @@ def _two_ranks_and_one(fs, data, tmp_path, extra=(), env=()):
     returns the ranks' outputs and dumps, the single run and its last checkpoint's model."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         argv = _common(fs, data, tmp_path / f"rank{rank}") + [
