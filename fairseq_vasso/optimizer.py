@@ -283,17 +283,19 @@ class FairseqSharpnessAware(FairseqOptimizer):
         """The core's state dict; sharded (``--zero-sharding os``), the same dict over all the
         parameters, from the ranks' parts that fairseq gathered (``consolidate_state_dict``)
         before it saves: checkpoints of both modes load in either.  Under ``--ddp-backend
-        fully_sharded`` without the per-entry ``sam_counters``: fairscale's
-        ``gather_full_optim_state_dict`` keeps one value of each non-tensor entry only if it is
-        hashable, which a dict is not; the top-level ``sharpness`` carries the same counters,
-        and loading takes them from there."""
+        fully_sharded`` without the per-entry ``sam_counters`` and with ``sam_held`` as its
+        ``(name, 0/1)`` pairs: fairscale's ``gather_full_optim_state_dict`` keeps one value of
+        each non-tensor entry only if it is hashable, which a dict is not; the top-level
+        ``sharpness`` carries the same counters, and loading takes them from there (and takes
+        ``sam_held`` in either form)."""
         # fairseq saves crash.pt after a FloatingPointError, possibly mid-step: drop the step first.
         self.abandon()
         if self.sharded:
             return _consolidated(self._optimizer)
         state = self.core.state_dict()
         if _fully_sharded(self.cfg):
-            state["state"] = {k: {n: v for n, v in entry.items() if n != "sam_counters"}
+            state["state"] = {k: {n: tuple(sorted(v.items())) if n == "sam_held" else v
+                                  for n, v in entry.items() if n != "sam_counters"}
                               for k, entry in state["state"].items()}
         return state
 

@@ -1249,8 +1249,8 @@ def _split_entry(entry: Dict[str, Any]):
         if key == _COUNTERS:
             counters = {k: value[k] for k in ("step", "seed", "nonfinite_steps", "last_rho", "last_slope_norm",
                                                "last_ascent_norm")}
-        elif key == _HELD:
-            held = value
+        elif key == _HELD:  # a dict, or its (name, 0/1) pairs (hashable, for fairscale's FSDP consolidation)
+            held = dict(value)
         elif isinstance(key, str) and key.startswith(_OWN_PREFIX):
             name = key[len(_OWN_PREFIX):]
             if name not in _PERSISTENT:
