@@ -88,8 +88,6 @@ from fairseq import utils
 utils.import_user_module(argparse.Namespace(user_dir=os.environ["FSV_USER_DIR"]))  # what --user-dir does
 
 
-
-
 def pytest_sessionfinish(session):
     from fairseq.trainer import Trainer
     from fairseq.optim import OPTIMIZER_REGISTRY
@@ -108,8 +106,9 @@ def __getattr__(name):
         raise AttributeError(name)
 
     def unavailable(*args, **kwargs):
-        raise unittest.SkipTest(f"needs {name} from fairseq's tests/utils.py, which fairseq-fixed 0.12.3.1's sdist "
-                                "does not ship (FAIRSEQ_TESTS: a checkout of JackismyShephard/fairseq at 9fac383)")
+        raise unittest.SkipTest(f"needs {name} from fairseq's tests/utils.py, which these tests lack (fairseq-fixed "
+                                "0.12.3.1's sdist does not ship it; FAIRSEQ_TESTS: a checkout of "
+                                "JackismyShephard/fairseq at 9fac383)")
     return unavailable
 '''
 
