@@ -57,21 +57,11 @@ else
     pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm,sharding]"
     echo "$stamp" > "$stamp_file"
 fi
-# fairseq's own tests (tests/fairseq/test_fairseq_own_suite.py runs them stock beside plugin-loaded):
-# the tests/ of fairseq-fixed 0.12.3.1's sdist, the only copy on the package index (it lacks
-# fairseq's tests/utils.py, so the tests that import it skip; FAIRSEQ_TESTS names a full checkout)
-fairseq_tests="$VENV/fairseq-fixed-0.12.3.1-tests"
-if [ ! -f "$fairseq_tests/test_train.py" ]; then
-    stage "unpacking fairseq-fixed 0.12.3.1's own tests (its sdist's tests/) into $fairseq_tests"
-    sdist_dir=$(mktemp -d "${TMPDIR:-/tmp}/fairseq-sdist.XXXXXX")
-    if "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: --no-build-isolation \
-            fairseq-fixed==0.12.3.1 -d "$sdist_dir" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2) \
-        && tar xzf "$sdist_dir"/fairseq_fixed-0.12.3.1.tar.gz -C "$sdist_dir" fairseq_fixed-0.12.3.1/tests; then
-        rm -rf "$fairseq_tests" && mv "$sdist_dir"/fairseq_fixed-0.12.3.1/tests "$fairseq_tests"
-    else
-        echo "setup_env.sh: could not fetch fairseq-fixed 0.12.3.1's sdist: fairseq's own tests will skip" >&2
-    fi
-    rm -rf "$sdist_dir"
+# fairseq's own tests (tests/fairseq/test_fairseq_own_suite.py runs them stock beside
+# plugin-loaded): the tests/ of fairseq-fixed 0.12.3.1's sdist, fetched at a pinned sha256
+if [ ! -f "$VENV/fairseq-fixed-0.12.3.1-tests/test_train.py" ]; then
+    stage "unpacking fairseq-fixed 0.12.3.1's own tests (its sdist's tests/) into $VENV/fairseq-fixed-0.12.3.1-tests"
+    bash scripts/fairseq_tests.sh "$VENV"
 fi
 if [ "$WITH_DOMAINBED" = 1 ]; then
     stage "installing DomainBed"
