@@ -12,11 +12,10 @@ skip, saying so, and fail where ``VASSO_REQUIRE_FAIRSEQ_TESTS=1`` (CI).
 The sdist's 51 ``test_*.py`` are the commit's (with CRLF line ends), but it lacks
 ``tests/__init__.py`` (empty at 9fac383: the test creates it, the same bytes) and
 ``tests/utils.py``, which no package on PyPI ships as it is at 9fac383 (docs/fairseq.md,
-"Tests").  In its place the copy gets a module that has none of fairseq's helpers: a test that
-calls one of them skips, saying so.  From the sdist, then, the trainer, iterator, EMA and
-task-level checkpoint tests run, and of the tests that import utils.py those that call none of
-its helpers: the valid-subset errors (among them the two that fed ``None`` items to the
-plugin's parse) and two checkpoint tests; the reproducibility and translation tests skip.
+"Tests").  The copy then takes fairseq's own file from ``tests/fairseq/upstream/`` (the
+commit's bytes, MIT, its sha256 checked), so the same tests run from the sdist as from a
+checkout: trainer, iterators, EMA, checkpoints, valid subsets (among them the two that fed
+``None`` items to the plugin's parse), reproducibility and translation end to end.
 
 Both runs are one pytest process each, started together, on a copy of the tests; each test
 starts from the same seed of ``random``, numpy and torch in both (fairseq's data helpers draw
@@ -27,10 +26,9 @@ comparison isolates the plugin's patches; "plugin" imports the plugin the way ``
 does (``fairseq.utils.import_user_module``) before any test runs.
 
 Measured (2026-11-25, this project's 2-core machine; other jobs share it, so timings are noisy):
-from the sdist, this file 17 s at a load average of 1-2 (each of the two runs 7-8 s; the file
-before it ran the valid-subset and checkpoint tests took 20 s at the same load), 50 s at a load
-average of 7; from a checkout at 9fac383, 42 s at a load average of 1 (each run 34 s), 3 min at
-a load average of 10."""
+from the sdist with ``upstream/``, this file 41 s at a load average of 6 (41 tests pass in each
+run, each run 33 s); from a checkout at 9fac383, 42 s at a load average of 1, 3 min at a load
+average of 10."""
 
 import json
 import os
@@ -95,22 +93,9 @@ def pytest_sessionfinish(session):
         json.dump({"hooks": bool(getattr(Trainer.train_step, "_fairseq_vasso_hook", False)),
                    "optimizers": sorted(k for k in ("sam", "vasso") if k in OPTIMIZER_REGISTRY)}, f)
 '''
-#: in a copy without fairseq's tests/utils.py: none of its helpers, a skip where a test calls one
-NO_UTILS = '''"""Not fairseq's tests/utils.py, which no package on PyPI ships as it is at 9fac383
-(vasso-plugins' docs/fairseq.md): none of its helpers. A test that calls one skips."""
-import unittest
-
-
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-
-    def unavailable(*args, **kwargs):
-        raise unittest.SkipTest(f"needs {name} from fairseq's tests/utils.py, which these tests lack (fairseq-fixed "
-                                "0.12.3.1's sdist does not ship it; FAIRSEQ_TESTS: a checkout of "
-                                "JackismyShephard/fairseq at 9fac383)")
-    return unavailable
-'''
+#: fairseq's tests/utils.py as it is at 9fac383 (tests/fairseq/upstream/README.md), for a source without it
+UPSTREAM_UTILS = Path(__file__).resolve().parent / "upstream" / "fairseq_tests_utils.py"
+UPSTREAM_UTILS_SHA256 = "623f41e9b403e1ac676ad079335538c30f132b6208e70f3f9a4dad6bb46b3e74"
 
 
 def _source():
@@ -147,12 +132,16 @@ def suite(tmp_path_factory):
     if SOURCE is None:  # CI: a skip would hide that none of fairseq's tests ran
         pytest.fail(f"VASSO_REQUIRE_FAIRSEQ_TESTS=1: {MISSING}", pytrace=False)
     tests, with_utils, where = SOURCE
+    import hashlib
+
+    assert with_utils or hashlib.sha256(UPSTREAM_UTILS.read_bytes()).hexdigest() == UPSTREAM_UTILS_SHA256, (
+        f"{UPSTREAM_UTILS} is not fairseq's tests/utils.py at 9fac383: restore it (git checkout)")
     base = tmp_path_factory.mktemp("fairseq_own")
     copy = base / "fairseq"
     shutil.copytree(tests, copy / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "tests" / "__init__.py").touch()  # empty at 9fac383; the sdist has none
-    if not with_utils:
-        (copy / "tests" / "utils.py").write_text(NO_UTILS)
+    if not with_utils:  # the sdist's tests: fairseq's utils.py of the same commit, checked unmodified
+        shutil.copyfile(UPSTREAM_UTILS, copy / "tests" / "utils.py")
     (copy / "pytest.ini").write_text("[pytest]\n")  # fairseq's tests, not this project's config
     (base / "stock_plugin.py").write_text(STOCK)
     (base / "vasso_plugin.py").write_text(PLUGIN)
@@ -189,8 +178,8 @@ def test_fairseqs_own_tests_pass_with_the_plugin_where_they_pass_without(suite):
     stock, plugin = suite["stock"], suite["plugin"]
     assert suite["loaded"] == {"hooks": True, "optimizers": ["sam", "vasso"]}  # the plugin was there
     passed = sorted(n for n, o in stock.items() if o == "passed")
-    # the suite ran (here: 27 tests pass in stock from the sdist, 41 from a checkout at 9fac383)
-    assert len(passed) >= (35 if suite["with_utils"] else 25), suite["out"]["stock"][-3000:]
+    # the suite ran (41 tests pass in stock from a checkout at 9fac383, or from the sdist with upstream/)
+    assert len(passed) >= 35, suite["out"]["stock"][-3000:]
     broken = [n for n in passed if plugin.get(n) != "passed"]
     assert not broken, (broken, suite["out"]["plugin"][-4000:])
 
@@ -204,12 +193,17 @@ def test_fairseqs_valid_subset_tests_that_pass_none_in_the_command_line(suite):
             node, suite["out"]["stock"][-2000:], suite["out"]["plugin"][-3000:])
 
 
+def test_the_copy_of_fairseqs_tests_utils_is_the_commits():
+    """tests/fairseq/upstream holds fairseq's file unedited: the bytes of 9fac383's tests/utils.py."""
+    import hashlib
+
+    assert hashlib.sha256(UPSTREAM_UTILS.read_bytes()).hexdigest() == UPSTREAM_UTILS_SHA256
+
+
 def test_fairseqs_tests_that_need_its_tests_utils(suite):
-    if not suite["with_utils"]:
-        pytest.skip(f"fairseq's tests from {suite['where']}: no package on PyPI ships fairseq's tests/utils.py as it "
-                    "is at 9fac383, so the checkpoint, valid-subset, reproducibility and translation tests that call "
-                    "its helpers skip in both runs; set FAIRSEQ_TESTS to a checkout of "
-                    "github.com/JackismyShephard/fairseq at 9fac383 to run them")
+    """The checkpoint, valid-subset, reproducibility and end-to-end translation tests, which
+    call fairseq's tests/utils.py: each module has tests that pass in stock, and they pass
+    with the plugin."""
     stock, plugin = suite["stock"], suite["plugin"]
     for module in ("test_valid_subset_checks", "test_checkpoint_utils", "test_reproducibility", "test_binaries"):
         ran = [n for n, o in stock.items() if module in n and o == "passed"]
