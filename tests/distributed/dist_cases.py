@@ -343,6 +343,16 @@ class LateBranch(torch.nn.Module):
         return out + self.extra(x) if self.on else out
 
 
+def late_branch_reference(kind, data):
+    """One process's weights after ``data`` on a LateBranch whose branch joins at step LATE."""
+    ref_model = LateBranch()
+    ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+    for t, batch in enumerate(data):
+        ref_model.on = t >= LATE
+        run(ref_opt, ref_model, [batch], "explicit")
+    return [p.detach().clone() for p in ref_model.parameters()]
+
+
 def gradient_set_change():
     """A parameter's first gradient at step LATE, under FSDP2 and ZeroRedundancyOptimizer,
     against one process: {(setting, kind): (relative error, each step's (waits,
@@ -353,12 +363,7 @@ def gradient_set_change():
     data = (batches(world) * 2)[:6]
     out = {}
     for kind in ("SAM", "VASSO", "ASAM", "V+G"):
-        ref_model = LateBranch()
-        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
-        for t, batch in enumerate(data):
-            ref_model.on = t >= LATE
-            run(ref_opt, ref_model, [batch], "explicit")
-        ref = [p.detach().clone() for p in ref_model.parameters()]
+        ref = late_branch_reference(kind, data)
 
         model = LateBranch()
         mesh = init_device_mesh("cpu", (world,))
@@ -446,12 +451,7 @@ def late_owner():
     data = (batches(world) * 2)[:6]
     out = {}
     for kind in ("SAM", "VASSO", "ASAM"):
-        ref_model = LateBranch()
-        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
-        for t, batch in enumerate(data):
-            ref_model.on = t >= LATE
-            run(ref_opt, ref_model, [batch], "explicit")
-        ref = [p.detach().clone() for p in ref_model.parameters()]
+        ref = late_branch_reference(kind, data)
 
         model = LateBranch()
         owner = ({id(p): 0 for p in model.body[0].parameters()} | {id(p): 1 for p in model.body[2].parameters()}
