@@ -59,6 +59,17 @@ def build(kind: str, params, base=torch.optim.AdamW, **kw):
 FAMILY = list(VARIANTS)
 
 
+def skip_without_cpu_matmul(dtype) -> None:
+    """Skips the test where this torch has no ``dtype`` matmul on the CPU (torch 2.1's fp16:
+    "addmm_impl_cpu_" not implemented for 'Half')."""
+    import pytest
+
+    try:
+        torch.nn.functional.linear(torch.ones(1, 1, dtype=dtype), torch.ones(1, 1, dtype=dtype))
+    except RuntimeError as exc:
+        pytest.skip(f"torch {torch.__version__} has no {dtype} matmul on the CPU ({exc})")
+
+
 def coin_seed(p: float, skipped: int = 2) -> int:
     """A seed whose coin skips the first ``skipped`` steps and takes the next (p = 1: any)."""
     from plugins.perturbation import second_pass_coin

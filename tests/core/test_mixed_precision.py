@@ -18,7 +18,7 @@ from plugins import SAM, VASSO
 from plugins import optimizer as O
 from plugins.lab.selftest.checks import scaled_step
 from plugins.perturbation import rng_state, second_pass_coin
-from core_helpers import CountSyncs, build, flat, make_batches, make_model
+from core_helpers import CountSyncs, build, flat, make_batches, make_model, skip_without_cpu_matmul
 
 F = torch.nn.functional
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -364,6 +364,7 @@ def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_aft
     buffers) so that the norm of d_t as rounded rides along: the same weights, slopes and
     diagnostics, bit for bit, as updating d_t in place and reading its norm after (the
     path a CPU model with large tensors takes), a non-finite g_t included."""
+    skip_without_cpu_matmul(dtype)
     def run():
         model = make_model().to(dtype)
         opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
@@ -480,6 +481,7 @@ def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
     """At most 2 per two-pass step (perturb 1, the finish 1), 1 per step the coin skips,
     with or without a scaler, in both APIs, with fp32, bf16 or fp16 parameters; the
     scaler's own calls add none (SGD: no sync)."""
+    skip_without_cpu_matmul(dtype)
     model = make_model(dropout=0.1).to(dtype)
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
     scaler = make_scaler("cpu", init_scale=2.0 ** 8) if scaled else None

@@ -8,7 +8,7 @@ from plugins import SAM, VASSO
 from plugins import rng_state
 from plugins.perturbation import second_pass_coin
 from core_helpers import (FAMILY, CountSyncCalls, CountSyncs, build, closure_for, first_backward, flat,
-                          make_batches, make_model)
+                          make_batches, make_model, skip_without_cpu_matmul)
 
 
 def bn_closure(opt, model, x, y, counted):
@@ -155,6 +155,7 @@ def syncs_per_step(opt, model, batches, **step_kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", FAMILY)
 def test_host_synchronizations_per_step(kind, dtype):
+    skip_without_cpu_matmul(dtype)
     model = make_model(dropout=0.1).to(dtype)
     opt = build(kind, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.1, eps=1e-4)  # 1e-8 is 0 in fp16
     two_pass = []
