@@ -671,9 +671,8 @@ class SharpnessAware(torch.optim.Optimizer):
         parameters with a gradient changed since the last step), as a device tensor."""
         layout = lists.layout
         counted = range(len(grads)) if layout.counted is None else layout.counted
-        own = self._own_state
-        pairs = [(grads[i], D.local(own[lists.params[i]]["slope"])) for i in counted
-                 if "slope" in own.get(lists.params[i], ())]
+        kept = self._kept_slopes(lists)
+        pairs = [(grads[i], kept[i]) for i in counted if kept[i] is not None]
         return P.dot([g for g, _ in pairs], [v for _, v in pairs], layout.unfiltered())
 
     @torch.no_grad()
