@@ -186,10 +186,7 @@ def fairseq_from_parts(step_parts: Dict[str, List[List[tuple]]], skip: int) -> D
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[1] != "--":
-        raise SystemExit("usage: python -m fairseq_vasso.nmt.bench STEP_LOG -- FAIRSEQ_TRAIN_ARGS...")
-    return fairseq_child(argv[0], argv[2:])
+    return fairseq_child(*nmt.child_argv(argv, "fairseq_vasso.nmt.bench", "STEP_LOG"))
 
 
 if __name__ == "__main__":

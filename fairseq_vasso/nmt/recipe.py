@@ -7,6 +7,7 @@
 * where the fairseq console scripts and the ``fairseq_vasso`` user-dir are;
 * ``train_command``: the recipe's fairseq-train command line for one row and seed;
   ``toy_train_args``: the tiny transformer on the toy corpus (self-test, tests);
+  ``child_argv``: the command line of the children that run fairseq-train in-process (bench, self-test);
 * ``run_logged``: run a fairseq command with its output in a log file (in a process group
   of its own, which ``interruptible()`` ends on Ctrl-C or SIGTERM), and judge
   a ``fairseq-train`` run by its log: with some torch/fairseq builds the process
@@ -110,6 +111,15 @@ def toy_train_args(data, save_dir, *, optimizer_flags, lr, max_update, seed=3):
             "--lr", str(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
             "--max-tokens", "400", "--max-update", str(max_update), "--seed", str(seed),
             "--num-workers", "0", "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1"]
+
+
+def child_argv(argv, module, first):
+    """The command line of a child that runs fairseq-train in this process
+    (``python -m MODULE FIRST -- FAIRSEQ_TRAIN_ARGS...``): ``(FIRST, FAIRSEQ_TRAIN_ARGS)``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[1] != "--":
+        raise SystemExit(f"usage: python -m {module} {first} -- FAIRSEQ_TRAIN_ARGS...")
+    return argv[0], argv[2:]
 
 
 def fairseq_bin(name):

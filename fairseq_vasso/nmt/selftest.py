@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from plugins.lab.selftest.checks import CheckFailed, Skipped
 
 from .logs import parse_fairseq_log_text
-from .recipe import toy_train_args
+from .recipe import child_argv, toy_train_args
 from .toy_corpus import write_corpus
 
 #: precision mode -> fairseq-train flags (fp32 on the CPU, the loss-scaled modes on CUDA)
@@ -184,10 +184,7 @@ def child(record: str, argv: Sequence[str]) -> int:
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[1] != "--":
-        raise SystemExit("usage: python -m fairseq_vasso.nmt.selftest RECORD -- FAIRSEQ_TRAIN_ARGS...")
-    return child(argv[0], argv[2:])
+    return child(*child_argv(argv, "fairseq_vasso.nmt.selftest", "RECORD"))
 
 
 if __name__ == "__main__":
