@@ -211,6 +211,8 @@ def main(argv=None):
     dev.add_argument("--reference-vasso", metavar="DIR", help="a checkout of BingcongLi/VaSSO: its solver/vasso.py "
                      "runs as a row (imported from DIR at run time)")
     dev.add_argument("--reference-sam", metavar="DIR", help="a checkout of davda54/sam: its sam.py runs as a row")
+    dev.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a verdict of the device benchmark "
+                     "is MISS (too noisy and no verdict do not fail)")
     dev.add_argument("--profile", action="store_true", help="profile one VASSO step on --device (default cpu) by "
                      "phase instead (plugins.lab.bench.profile)")
     dev.add_argument("--host-cost", action="store_true", help="the optimizer's own host time and ops per step, "
@@ -220,7 +222,8 @@ def main(argv=None):
     if args.device or args.profile or args.host_cost:
         return device_main(ap, args, argv)
     for flag, value in (("--size", args.size), ("--rounds", args.rounds), ("--rows", args.rows),
-                        ("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam)):
+                        ("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam),
+                        ("--fail-on-miss", args.fail_on_miss or None)):
         if value is not None:
             ap.error(f"{flag} is an option of the device benchmark: give --device cpu or --device cuda with it")
     if args.models and set(args.models) - set(MODELS):
@@ -329,6 +332,11 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1, default=str)
+    if args.fail_on_miss and not (args.profile or args.host_cost):
+        missed = [f"{r[0]}: {r[1]}" for r in device.goal_rows(results) if r[3] == "MISS"]
+        if missed:
+            print("benchmark.py: MISS: " + "; ".join(missed), file=sys.stderr)
+            return 1
     return 0
 
 

@@ -323,6 +323,21 @@ def test_cli_on_the_cpu_with_anchors(benchmark_main, checkouts, tmp_path, capsys
     assert (tmp_path / "device.json").stat().st_size > 0
 
 
+def test_fail_on_miss_exits_1_on_a_miss_only(benchmark_main, monkeypatch, capsys):
+    n = 30
+    rounds = _rounds({"adamw-2pass": [100.0] * n, "SAM": [101.0] * n, "VASSO": [110.0] * n})
+    results = {"models": {"transformer": {"summary": device.summarize(rounds), "memory": {}}}}
+    monkeypatch.setattr(device, "run", lambda *a, **k: results)
+    monkeypatch.setattr(device, "render", lambda res: "the report")
+    argv = ["--device", "cpu", "--models", "transformer", "--rounds", "30"]
+    assert benchmark_main(argv) == 0
+    assert benchmark_main(argv + ["--fail-on-miss"]) == 1
+    assert "benchmark.py: MISS: transformer: VASSO / AdamW, two passes <= 1.03" in capsys.readouterr().err
+    rounds["VASSO"]["ms"] = [102.0] * n
+    results["models"]["transformer"]["summary"] = device.summarize(rounds)
+    assert benchmark_main(argv + ["--fail-on-miss"]) == 0
+
+
 # ------------------------------------------------------------------ profile and host cost
 
 def _x(cat, name, ts, dur, tid=1, **args):

@@ -58,11 +58,17 @@ SIZES: Dict[str, Dict[str, Dict[str, Any]]] = {
     },
 }
 
+def _label(member: str, knobs: Dict[str, Any]) -> str:
+    shown = ", ".join(f"{k}={v}" for k, v in knobs.items() if not isinstance(v, bool))
+    name = member.replace("V+G", "VASSO+GSAM")
+    return f"{name} ({shown})" if shown else name
+
+
 #: name -> (label, what builds it, its knobs); the members are the self-test's (one list)
 ROWS: Dict[str, tuple] = {
     "adamw-1pass": ("AdamW, one pass", "base", {"passes": 1}),
     BASELINE: ("AdamW, two passes", "base", {"passes": 2}),
-    **{name: (name.replace("V+G", "VASSO+GSAM"), cls, dict(knobs)) for name, (cls, knobs) in MEMBERS.items()},
+    **{name: (_label(name, knobs), cls, dict(knobs)) for name, (cls, knobs) in MEMBERS.items()},
     "ref-vasso": ("official VASSO (BingcongLi/VaSSO)", "--reference-vasso", {"theta": THETA}),
     "ref-sam": ("davda54 SAM", "--reference-sam", {}),
 }
@@ -419,12 +425,15 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
             log("  peak memory, each method alone: " + ", ".join(
                 f"{n} {(v['peak_bytes'] or 0) / 2 ** 20:.0f} MiB" for n, v in res["memory"].items()))
         built = {name: Row(name, template, cfg, batch, device, anchor_classes) for name in kept}
+        clock = clock_for(device)
+        t_warm = time.time()
         for row in built.values():
             for _ in range(warmup):
                 row.step()
-        clock = clock_for(device)
         clock.settle()
-        log(f"  {rounds} interleaved rounds x {steps} step(s) of {len(built)} methods")
+        per_step = (time.time() - t_warm) / max(warmup * len(built), 1)
+        log(f"  {rounds} interleaved rounds x {steps} step(s) of {len(built)} methods"
+            + (f" (about {per_step * rounds * steps * len(built):.0f} s at the warm-up's pace)" if warmup else ""))
         res["rounds"] = interleaved_rounds(built, rounds, steps, clock, log=log)
         res["summary"] = summarize(res["rounds"])
         del built, template, batch
