@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -284,6 +285,9 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
     if set(models) - set(DEVICE_MODELS):
         ap.error(f"--models: {' '.join(sorted(set(models) - set(DEVICE_MODELS)))} is not a model of --device "
                  f"(choose from {', '.join(DEVICE_MODELS)})")
+    if "resnet50" in models and not args.host_cost and importlib.util.find_spec("torchvision") is None:
+        ap.error("--models resnet50 (a default) needs torchvision (pip install torchvision); "
+                 "--models transformer runs without it")
     rounds = device.MIN_ROUNDS if args.rounds is None else args.rounds
     if rounds < 1:
         ap.error(f"--rounds {rounds}: at least 1")

@@ -154,7 +154,7 @@ def test_ratios_are_paired_within_a_round_and_goal_rows():
     assert rows["VASSO / AdamW, two passes <= 1.03"] == ("1.100 (IQR 1.100-1.100, 30 rounds)", "MISS")
     assert rows["VASSO faster than the official VASSO (ratio < 1)"][1] == "PASS"
     assert rows["SAM faster than davda54's SAM (ratio < 1)"][1] == "MISS"  # a tie is not faster
-    assert rows["VASSO's peak memory below the official VASSO's"] == ("3000 vs 4000 MiB", "PASS")
+    assert rows["VASSO's peak memory below the official VASSO's"] == ("3000 MiB vs 4000 MiB", "PASS")
 
 
 def test_rounds_rotate_the_order():
@@ -223,7 +223,7 @@ def test_a_small_run_reports_every_part(checkouts):
     ratio_rows = [line for line in text.splitlines() if line.startswith("| transformer |") and "rounds)" in line]
     assert len(ratio_rows) == 4 and all(line.endswith("| no verdict: 2 rounds < 30 |") for line in ratio_rows)
     assert "| official VASSO (BingcongLi/VaSSO) |" in text and "| davda54 SAM |" in text
-    assert "| AdamW, one pass |" in text and "peak MiB (alone)" in text
+    assert "| AdamW, one pass |" in text and "peak memory (alone)" in text
     without = device.run("cpu", models=["transformer"], rows=rows, rounds=1, warmup=0, memory=False)
     assert without["left_out"] == ["ref-vasso", "ref-sam"]
     assert "Left out (no checkout given): official VASSO" in device.render(without)

@@ -42,7 +42,7 @@ from .timing import median, quartiles
 
 #: the fewest interleaved rounds a verdict is given on (and the least ``--rounds`` on a GPU)
 MIN_ROUNDS = 30
-#: ms per step of the issue's H100 run (commit d4fcd2c; 6 rounds of 4 steps, leads only)
+#: the denominator of every ratio: AdamW running the same two forward/backward passes
 BASELINE = "adamw-2pass"
 
 #: model sizes: ``full`` is the issue's (for a GPU), ``small`` runs in seconds on a CPU
@@ -154,7 +154,7 @@ def describe(cfg: Dict[str, Any], model: torch.nn.Module) -> str:
     else:
         what = (f"torch.nn.Transformer {cfg['layers']}+{cfg['layers']} layers, {cfg['d']} wide, FFN {cfg['ff']}, "
                 f"{cfg['vocab']} vocabulary, {cfg['batch']}x{cfg['seq']} tokens")
-    return f"{what}: {len(ps)} tensors, {mib:.1f} MiB"
+    return f"{what}: {len(ps)} tensors, {mib:.1f} MiB" if mib >= 1 else f"{what}: {len(ps)} tensors, {mib:.3f} MiB"
 
 
 # ------------------------------------------------------------------ one method
@@ -375,8 +375,14 @@ def goal_rows(results: Dict[str, Any]) -> List[List[str]]:
         ours, ref, text = MEMORY_GOAL
         a, b = (mem.get(ours) or {}).get("peak_bytes"), (mem.get(ref) or {}).get("peak_bytes")
         if a is not None and b is not None:
-            rows.append([md, text, f"{a / 2 ** 20:.0f} vs {b / 2 ** 20:.0f} MiB", "PASS" if a < b else "MISS"])
+            rows.append([md, text, f"{_size(a)} vs {_size(b)}", "PASS" if a < b else "MISS"])
     return rows
+
+
+def _size(nbytes: Optional[float]) -> str:
+    if nbytes is None:
+        return "n/a"
+    return f"{nbytes / 2 ** 20:.0f} MiB" if abs(nbytes) >= 10 * 2 ** 20 else f"{nbytes / 2 ** 10:.0f} KiB"
 
 
 def device_info(device: torch.device) -> Dict[str, Any]:
@@ -423,7 +429,7 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
             for name in kept:
                 res["memory"][name] = peak_memory(name, template, cfg, batch, device, mem_steps, anchor_classes)
             log("  peak memory, each method alone: " + ", ".join(
-                f"{n} {(v['peak_bytes'] or 0) / 2 ** 20:.0f} MiB" for n, v in res["memory"].items()))
+                f"{n} {_size(v['peak_bytes'])}" for n, v in res["memory"].items()))
         built = {name: Row(name, template, cfg, batch, device, anchor_classes) for name in kept}
         clock = clock_for(device)
         t_warm = time.time()
@@ -476,10 +482,10 @@ def render(results: Dict[str, Any]) -> str:
                           "1" if name == BASELINE else (f"{p['median']:.3f}" if p else "n/a"),
                           f"{p['iqr'][0]:.3f}-{p['iqr'][1]:.3f}" if p else "",
                           f"{row['host_ms']:.2f}", f"{row['passes']:.2f}",
-                          "n/a" if mem is None else f"{mem / 2 ** 20:.0f}",
+                          _size(mem),
                           "" if mem is None or not base_mem else f"{mem / base_mem:.3f}"])
         out += [markdown_table(["method", "ms/step (median)", "IQR", "over AdamW, two passes", "IQR",
-                                "host ms/step", "passes/step", "peak MiB (alone)", "peak over AdamW, two passes"],
+                                "host ms/step", "passes/step", "peak memory (alone)", "peak over AdamW, two passes"],
                                table), ""]
         for key, p in s["pairs"].items():
             ours, ref = key.split("/")
