@@ -327,7 +327,10 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
     else:
         results = device.run(args.device, size=args.size, models=models, rows=rows, rounds=rounds,
                              steps=args.steps_per_round, warmup=args.warmup, anchor_classes=classes,
-                             log=log, command=command)
+                             log=log, command=command, anchor_sources={
+                                 flag: anchors.provenance(os.path.expanduser(path)) for flag, path in
+                                 (("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam))
+                                 if path})
         text = device.render(results)
     print(text)
     if args.markdown:

@@ -318,6 +318,7 @@ def test_cli_on_the_cpu_with_anchors(benchmark_main, checkouts, tmp_path, capsys
                            str(tmp_path / "device.json")]) == 0
     text = md.read_text()
     assert "## Device benchmark: cpu, small sizes" in text
+    assert f"Anchor --reference-vasso: {checkouts['--reference-vasso']} (not a git checkout)." in text
     assert "| transformer | VASSO faster than the official VASSO (ratio < 1) |" in text
     assert "Command: `python scripts/benchmark.py --device cpu --models transformer" in text
     assert (tmp_path / "device.json").stat().st_size > 0
@@ -393,6 +394,19 @@ def test_profile_on_the_cpu_says_what_it_cannot_measure():
     assert 0 <= own_syncs <= 2
     text = profile.render(res)
     assert "not measured on a CPU: kernel launches" in text and "| perturb |" in text
+
+
+def test_profile_command_refuses_bad_input(capsys, tmp_path):
+    existing = tmp_path / "trace.json"
+    existing.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        profile.main(["--trace", str(existing)])
+    assert exc.value.code == 2 and f"--trace {existing} exists" in capsys.readouterr().err
+    assert existing.read_text() == "{}"
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            profile.main(["--device", "cuda"])
+        assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
 
 
 def test_count_ops_leaves_views_out():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import subprocess
 import sys
 from typing import Callable, Dict, Tuple
 
@@ -89,3 +90,14 @@ def build(flag: str, cls: type, params, base: Callable, base_kw: Dict, rho: floa
     if flag == "--reference-vasso":
         return cls(params, base_optimizer=base(params, **base_kw), rho=rho, theta=theta)
     return cls(params, base, rho=rho, adaptive=False, **base_kw)
+
+
+def provenance(path: str) -> str:
+    """Where an anchor came from: its folder and, for a git checkout, the commit."""
+    try:
+        proc = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=30)
+        commit = proc.stdout.strip() if proc.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{os.path.abspath(path)} (" + (f"git {commit}" if commit else "not a git checkout") + ")"

@@ -404,7 +404,8 @@ def device_info(device: torch.device) -> Dict[str, Any]:
 def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] = ("resnet50", "transformer"),
         rows: Sequence[str] = tuple(ROWS), rounds: int = MIN_ROUNDS, steps: int = 1, warmup: int = 3,
         mem_steps: int = 2, anchor_classes: Optional[Dict[str, type]] = None, memory: bool = True,
-        log: Callable[[str], None] = lambda s: None, command: str = "") -> Dict[str, Any]:
+        log: Callable[[str], None] = lambda s: None, command: str = "",
+        anchor_sources: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The whole benchmark; returns what :func:`render` prints.  Rows whose anchor was not
     given are left out (and listed)."""
     device = torch.device(device)
@@ -417,7 +418,8 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
     results: Dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
         "machine": device_info(device), "size": size, "rounds": rounds, "steps": steps, "warmup": warmup,
-        "mem_steps": mem_steps, "min_rounds": MIN_ROUNDS, "rows": kept, "left_out": [r for r in rows if r not in kept], "models": {}}
+        "mem_steps": mem_steps, "min_rounds": MIN_ROUNDS, "rows": kept, "left_out": [r for r in rows if r not in kept], "models": {},
+        "anchors": dict(anchor_sources or {})}
     for md in models:
         cfg = SIZES[size][md]
         template = build_template(cfg)
@@ -463,6 +465,10 @@ def render(results: Dict[str, Any]) -> str:
            f"rotating) of {results['steps']} step(s) per method, timed with "
            + ("CUDA events (one synchronize per round)" if "gpu" in m else "time.perf_counter")
            + "; ratios paired within a round.", ""]
+    for flag, source in results.get("anchors", {}).items():
+        out.append(f"Anchor {flag}: {source}.")
+    if results.get("anchors"):
+        out.append("")
     if results.get("left_out"):
         out += [f"Left out (no checkout given): {', '.join(ROWS[r][0] for r in results['left_out'])}.", ""]
     out += ["### Verdicts (issue 33's goal)", "",
