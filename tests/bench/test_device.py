@@ -42,7 +42,8 @@ VASSO_FILES = {
                 ps = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
                 for p in ps:
                     st = self.state[p]
-                    st["ema"] = p.grad.clone() if "ema" not in st else st["ema"].lerp_(p.grad, self.param_groups[0]["theta"])
+                    theta = self.param_groups[0]["theta"]
+                    st["ema"] = p.grad.clone() if "ema" not in st else st["ema"].lerp_(p.grad, theta)
                 norm = torch.stack([self.state[p]["ema"].norm() for p in ps]).norm()
                 for p in ps:
                     self.state[p]["e_w"] = self.state[p]["ema"] * (self.param_groups[0]["rho"] / (norm + 1e-7))

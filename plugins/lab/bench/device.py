@@ -418,7 +418,8 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
     results: Dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
         "machine": device_info(device), "size": size, "rounds": rounds, "steps": steps, "warmup": warmup,
-        "mem_steps": mem_steps, "min_rounds": MIN_ROUNDS, "rows": kept, "left_out": [r for r in rows if r not in kept], "models": {},
+        "mem_steps": mem_steps, "min_rounds": MIN_ROUNDS, "rows": kept,
+        "left_out": [r for r in rows if r not in kept], "models": {},
         "anchors": dict(anchor_sources or {})}
     for md in models:
         cfg = SIZES[size][md]

@@ -182,7 +182,8 @@ def render(res: Dict[str, Any], command: str = "") -> str:
                            "ops per one-pass step (coin)", "host syncs", "base step ops", "base step syncs"],
                           [[m, r["ops"] if r["passes"] == 2 else "n/a",
                             f"{r['ops_by_phase']['perturb']} / {r['ops_by_phase']['descend']} / "
-                            f"{r['ops_by_phase']['step start']}", "" if r["one_pass_ops"] is None else r["one_pass_ops"],
+                            f"{r['ops_by_phase']['step start']}",
+                            "" if r["one_pass_ops"] is None else r["one_pass_ops"],
                             r["syncs"], r["base_ops"], r["base_syncs"]] for m, r in ops.items()]), "",
            f"### Host time per step ({host['tensors']} tensors), forward and backward excluded", "",
            f"CPU time of the thread (time.thread_time), median of {host['rounds']} interleaved rounds x "

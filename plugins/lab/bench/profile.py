@@ -258,9 +258,9 @@ def render(res: Dict[str, Any], command: str = "") -> str:
            f"Command: `{command}`" if command else "",
            f"torch {res['torch']}, bf16 autocast, AdamW base. Host ms: median of {res['steps']} unprofiled steps "
            f"(the whole step {res['step_host_ms']:.2f} ms on the host). Counts (ops, launches, kernels, syncs): one "
-           f"profiled step; profiled times: medians over {res['profiled_steps']} profiled steps. Own Python: host time of the optimizer's own phases less the time inside "
-           f"the top-level ops it dispatched (profiled). Syncs (tests' count): CountSyncs "
-           f"(aten._local_scalar_dense + Tensor.tolist).", "",
+           f"profiled step; profiled times: medians over {res['profiled_steps']} profiled steps. Own Python: host "
+           f"time of the optimizer's own phases less the time inside the top-level ops it dispatched (profiled). "
+           f"Syncs (tests' count): CountSyncs (aten._local_scalar_dense + Tensor.tolist).", "",
            markdown_table(["phase", "host ms", "own Python ms", "ops (top-level)", "ops (all)", "item() calls",
                            "syncs (tests' count)", "launches", "kernels", "GPU ms", "sync calls (GPU)",
                            "DtoH copies", f"GPU idle ms (gaps > {GAP_US:g} us)"], rows), ""]
