@@ -238,7 +238,12 @@ def main(argv=None):
             blocks = t.get("blocks")
             if blocks:
                 results["timing"][md] = dict(summarize_timing(blocks), blocks=blocks)
-        text = render(results) + f"\nWall time of the benchmark: {results.get('seconds')} s.\n"
+        if "min_rounds" in results:  # a --device run's results
+            for t in results["models"].values():
+                t["summary"] = device.summarize(t["rounds"])
+            text = device.render(results) + "\n"
+        else:
+            text = render(results) + f"\nWall time of the benchmark: {results.get('seconds')} s.\n"
         print(text)
         if args.markdown:
             with open(args.markdown, "w", encoding="utf-8") as f:

@@ -322,7 +322,9 @@ def test_cli_on_the_cpu_with_anchors(benchmark_main, checkouts, tmp_path, capsys
     assert f"Anchor --reference-vasso: {checkouts['--reference-vasso']} (not a git checkout)." in text
     assert "| transformer | VASSO faster than the official VASSO (ratio < 1) |" in text
     assert "Command: `python scripts/benchmark.py --device cpu --models transformer" in text
-    assert (tmp_path / "device.json").stat().st_size > 0
+    again = tmp_path / "again.md"
+    assert benchmark_main(["--render", str(tmp_path / "device.json"), "--markdown", str(again)]) == 0
+    assert again.read_text().split("### Verdicts")[1] == text.split("### Verdicts")[1]
 
 
 def test_fail_on_miss_exits_1_on_a_miss_only(benchmark_main, monkeypatch, capsys):
