@@ -212,6 +212,8 @@ def main(argv=None):
     dev.add_argument("--reference-vasso", metavar="DIR", help="a checkout of BingcongLi/VaSSO: its solver/vasso.py "
                      "runs as a row (imported from DIR at run time)")
     dev.add_argument("--reference-sam", metavar="DIR", help="a checkout of davda54/sam: its sam.py runs as a row")
+    dev.add_argument("--adamw", choices=list(device.ADAMW_IMPLS), default="default",
+                     help="torch's AdamW implementation for every row, bases included (default: torch's choice)")
     dev.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a verdict of the device benchmark "
                      "is MISS (too noisy and no verdict do not fail)")
     dev.add_argument("--profile", action="store_true", help="profile one VASSO step on --device (default cpu) by "
@@ -224,7 +226,8 @@ def main(argv=None):
         return device_main(ap, args, argv)
     for flag, value in (("--size", args.size), ("--rounds", args.rounds), ("--rows", args.rows),
                         ("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam),
-                        ("--fail-on-miss", args.fail_on_miss or None)):
+                        ("--fail-on-miss", args.fail_on_miss or None),
+                        ("--adamw", None if args.adamw == "default" else args.adamw)):
         if value is not None:
             ap.error(f"{flag} is an option of the device benchmark: give --device cpu or --device cuda with it")
     if args.models and set(args.models) - set(MODELS):
@@ -333,7 +336,7 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
     else:
         results = device.run(args.device, size=args.size, models=models, rows=rows, rounds=rounds,
                              steps=args.steps_per_round, warmup=args.warmup, anchor_classes=classes,
-                             log=log, command=command, anchor_sources={
+                             log=log, command=command, adamw=args.adamw, anchor_sources={
                                  flag: anchors.provenance(os.path.expanduser(path)) for flag, path in
                                  (("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam))
                                  if path})

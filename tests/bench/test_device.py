@@ -210,6 +210,19 @@ def test_every_row_steps_on_the_cpu(checkouts):
     assert all(torch.equal(a, b) for a, b in zip(start, template.parameters()))  # each row trains a copy
 
 
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_adamw_implementation_reaches_every_base(impl, checkouts):
+    classes = {flag: anchors.load(flag, path) for flag, path in checkouts.items()}
+    cfg = device.SIZES["small"]["transformer"]
+    template = device.build_template(cfg)
+    batch = device.make_batch(cfg, torch.device("cpu"))
+    for name in ("adamw-2pass", "VASSO", "ref-vasso", "ref-sam"):
+        row = device.Row(name, template, cfg, batch, torch.device("cpu"), classes, adamw=impl)
+        base = getattr(row.opt, "base_optimizer", row.opt)
+        assert isinstance(base, torch.optim.AdamW) and base.defaults[impl] is True, name
+        row.step()
+
+
 def test_a_small_run_reports_every_part(checkouts):
     classes = {flag: anchors.load(flag, path) for flag, path in checkouts.items()}
     rows = ["adamw-1pass", "adamw-2pass", "SAM", "VASSO", "ref-vasso", "ref-sam"]

@@ -72,6 +72,11 @@ ROWS: Dict[str, tuple] = {
     "ref-vasso": ("official VASSO (BingcongLi/VaSSO)", "--reference-vasso", {"theta": THETA}),
     "ref-sam": ("davda54 SAM", "--reference-sam", {}),
 }
+#: ``--adamw``: torch's implementation of every row's AdamW (the base of the family and the anchors too);
+#: "default" leaves the choice to torch (foreach on a GPU, the for-loop on a CPU)
+ADAMW_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
 #: the rows of ``--quick``: those the goal's verdicts need
 QUICK_ROWS = ("adamw-1pass", BASELINE, "SAM", "VASSO", "ref-vasso", "ref-sam")
 
@@ -164,8 +169,9 @@ class Row:
     autocast), as a user's loop would write it; ``passes`` counts forward/backward passes."""
 
     def __init__(self, name: str, template: torch.nn.Module, cfg: Dict[str, Any], batch: tuple,
-                 device: torch.device, anchor_classes: Optional[Dict[str, type]] = None):
+                 device: torch.device, anchor_classes: Optional[Dict[str, type]] = None, adamw: str = "default"):
         label, how, knobs = ROWS[name]
+        base_kw = dict(BASE_KW, **ADAMW_IMPLS[adamw])
         self.name, self.label, self.cfg, self.batch, self.device = name, label, cfg, batch, device
         self.model = copy.deepcopy(template).to(device)
         if cfg["kind"] == "resnet":
@@ -174,17 +180,17 @@ class Row:
         self.passes = 0
         params = list(self.model.parameters())
         if how == "base":
-            self.opt = torch.optim.AdamW(params, **BASE_KW)
+            self.opt = torch.optim.AdamW(params, **base_kw)
             self.base_passes = knobs["passes"]
             self.step = self._base_step
         elif how in anchors.ANCHORS:
             cls = (anchor_classes or {}).get(how)
             if cls is None:
                 raise ValueError(f"row {name!r} needs {how} DIR")
-            self.opt = anchors.build(how, cls, params, torch.optim.AdamW, BASE_KW, RHO, knobs.get("theta", THETA))
+            self.opt = anchors.build(how, cls, params, torch.optim.AdamW, base_kw, RHO, knobs.get("theta", THETA))
             self.step = self._anchor_step
         else:
-            self.opt = getattr(plugins, how)(params, torch.optim.AdamW, rho=RHO, **knobs, **BASE_KW)
+            self.opt = getattr(plugins, how)(params, torch.optim.AdamW, rho=RHO, **knobs, **base_kw)
             self.step = self._family_step
 
     def closure(self):
@@ -287,7 +293,7 @@ def interleaved_rounds(rows: Dict[str, Row], rounds: int, steps: int, clock,
 
 
 def peak_memory(name: str, template, cfg, batch, device: torch.device, steps: int,
-                anchor_classes: Optional[Dict[str, type]] = None) -> Dict[str, Any]:
+                anchor_classes: Optional[Dict[str, type]] = None, adamw: str = "default") -> Dict[str, Any]:
     """One method alone on the device: its model, optimizer and steps; the peak bytes
     allocated (GPU: max_memory_allocated after reset_peak_memory_stats, the shared batch
     included) or the peak heap growth (CPU)."""
@@ -296,7 +302,7 @@ def peak_memory(name: str, template, cfg, batch, device: torch.device, steps: in
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        row = Row(name, template, cfg, batch, device, anchor_classes)
+        row = Row(name, template, cfg, batch, device, anchor_classes, adamw)
         for _ in range(steps):
             row.step()
         torch.cuda.synchronize(device)
@@ -307,7 +313,7 @@ def peak_memory(name: str, template, cfg, batch, device: torch.device, steps: in
         sampler = HeapSampler()
         before = sampler.current()
         with sampler:
-            row = Row(name, template, cfg, batch, device, anchor_classes)
+            row = Row(name, template, cfg, batch, device, anchor_classes, adamw)
             for _ in range(steps):
                 row.step()
         res = {"peak_bytes": sampler.peak - before if sampler.available else None,
@@ -405,7 +411,7 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
         rows: Sequence[str] = tuple(ROWS), rounds: int = MIN_ROUNDS, steps: int = 1, warmup: int = 3,
         mem_steps: int = 2, anchor_classes: Optional[Dict[str, type]] = None, memory: bool = True,
         log: Callable[[str], None] = lambda s: None, command: str = "",
-        anchor_sources: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+        anchor_sources: Optional[Dict[str, str]] = None, adamw: str = "default") -> Dict[str, Any]:
     """The whole benchmark; returns what :func:`render` prints.  Rows whose anchor was not
     given are left out (and listed)."""
     device = torch.device(device)
@@ -420,7 +426,7 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
         "machine": device_info(device), "size": size, "rounds": rounds, "steps": steps, "warmup": warmup,
         "mem_steps": mem_steps, "min_rounds": MIN_ROUNDS, "rows": kept,
         "left_out": [r for r in rows if r not in kept], "models": {},
-        "anchors": dict(anchor_sources or {})}
+        "anchors": dict(anchor_sources or {}), "adamw": adamw}
     for md in models:
         cfg = SIZES[size][md]
         template = build_template(cfg)
@@ -428,12 +434,12 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
         res: Dict[str, Any] = {"info": describe(cfg, template), "memory": {}}
         log(f"{md} ({res['info']})")
         if memory:
-            peak_memory(kept[0], template, cfg, batch, device, 1, anchor_classes)  # untimed: one-time allocations
+            peak_memory(kept[0], template, cfg, batch, device, 1, anchor_classes, adamw)  # untimed: one-time allocs
             for name in kept:
-                res["memory"][name] = peak_memory(name, template, cfg, batch, device, mem_steps, anchor_classes)
+                res["memory"][name] = peak_memory(name, template, cfg, batch, device, mem_steps, anchor_classes, adamw)
             log("  peak memory, each method alone: " + ", ".join(
                 f"{n} {_size(v['peak_bytes'])}" for n, v in res["memory"].items()))
-        built = {name: Row(name, template, cfg, batch, device, anchor_classes) for name in kept}
+        built = {name: Row(name, template, cfg, batch, device, anchor_classes, adamw) for name in kept}
         clock = clock_for(device)
         t_warm = time.time()
         for row in built.values():
@@ -461,7 +467,8 @@ def render(results: Dict[str, Any]) -> str:
     out = [f"## Device benchmark: {results['machine']['device']}, {results['size']} sizes, {results['date']}", "",
            f"Device: {dev}; torch {m['torch']}, Python {m['python']}.",
            f"Command: `{results['command']}`" if results.get("command") else "",
-           f"bf16 autocast, AdamW base (lr {BASE_KW['lr']}, weight decay {BASE_KW['weight_decay']}), rho {RHO}; "
+           f"bf16 autocast, AdamW base ({results.get('adamw', 'default')} implementation, lr {BASE_KW['lr']}, "
+           f"weight decay {BASE_KW['weight_decay']}), rho {RHO}; "
            f"{results['warmup']} warm-up steps per method, then {results['rounds']} interleaved rounds (the order "
            f"rotating) of {results['steps']} step(s) per method, timed with "
            + ("CUDA events (one synchronize per round)" if "gpu" in m else "time.perf_counter")
