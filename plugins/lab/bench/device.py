@@ -6,8 +6,10 @@ the rounds allows one.
 
 * **Time**: every method has its own copy of the model (the same initialization) and shares
   the batch.  After a warm-up, ``rounds`` interleaved rounds (the order rotating every round)
-  run ``steps`` steps of each method between two timestamps: CUDA events on a GPU (one
-  ``torch.cuda.synchronize()`` per round, after the round), ``time.perf_counter`` on the CPU.
+  run ``steps`` steps of each method between two timestamps: CUDA events on a GPU, after a
+  ``torch.cuda.synchronize()`` (each method starts on an idle GPU with an empty queue: none
+  inherits the queue its predecessor left, which with a rotating order would always be the
+  same method), ``time.perf_counter`` on the CPU.
   Per method: the median ms per step and its interquartile range; per method, its ratio to
   "AdamW, two passes" taken within each round, then the median and IQR of those ratios.
 * **Memory**: each method alone on the device (model, optimizer, batch; nothing else
@@ -267,7 +269,8 @@ def interleaved_rounds(rows: Dict[str, Row], rounds: int, steps: int, clock,
                        log: Callable[[str], None] = lambda s: None) -> Dict[str, Dict[str, List[float]]]:
     """Per method, per round: ms per step on the device's clock, host ms per step (the time
     the Python thread spent issuing the steps), passes per step.  The order rotates every
-    round; the clock settles (one synchronize on a GPU) after each round, not inside it."""
+    round; the clock settles (a synchronize on a GPU) before each method's steps, none
+    inside them, and the events are read after the round."""
     out = {m: {"ms": [], "host_ms": [], "passes": []} for m in rows}
     order = list(rows)
     for r in range(rounds):
@@ -276,6 +279,7 @@ def interleaved_rounds(rows: Dict[str, Row], rounds: int, steps: int, clock,
         for m in order[k:] + order[:k]:
             row = rows[m]
             passes = row.passes
+            clock.settle()
             h0 = time.perf_counter()
             start = clock.mark()
             for _ in range(steps):
@@ -471,7 +475,8 @@ def render(results: Dict[str, Any]) -> str:
            f"weight decay {BASE_KW['weight_decay']}), rho {RHO}; "
            f"{results['warmup']} warm-up steps per method, then {results['rounds']} interleaved rounds (the order "
            f"rotating) of {results['steps']} step(s) per method, timed with "
-           + ("CUDA events (one synchronize per round)" if "gpu" in m else "time.perf_counter")
+           + ("CUDA events (a synchronize before each method's steps, none inside them)" if "gpu" in m
+              else "time.perf_counter")
            + "; ratios paired within a round.", ""]
     for flag, source in results.get("anchors", {}).items():
         out.append(f"Anchor {flag}: {source}.")
