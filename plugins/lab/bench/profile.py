@@ -92,8 +92,9 @@ TIMES = ("top_op_us_main", "gpu_us", "idle_us", "host_us_profiled", "python_us")
 
 def analyze(trace: Dict[str, Any]) -> Dict[str, Any]:
     """Per phase, from a chrome trace of marked steps (``prof.export_chrome_trace``): the
-    counts of the last step, the times' medians over every step but the first (which
-    carries the profiler's start-up)."""
+    counts of the last step with the most ops (once, on a loaded CPU, the last step of a
+    trace came back without the events after its perturbation), the times' medians over
+    every step but the first (which carries the profiler's start-up)."""
     from .timing import median
 
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
@@ -101,7 +102,8 @@ def analyze(trace: Dict[str, Any]) -> Dict[str, Any]:
         e["ts"], e["dur"] = float(e["ts"]), float(e.get("dur", 0.0))
     steps = _steps(events)
     each = [_analyze_step(events, step) for step in (steps[1:] or steps)]
-    out = each[-1]
+    most = max(sum(r["ops"] for r in e["phases"].values()) for e in each)
+    out = [e for e in each if sum(r["ops"] for r in e["phases"].values()) == most][-1]
     for p, row in out["phases"].items():
         for key in TIMES:
             if row[key] is not None:
@@ -256,7 +258,7 @@ def render(res: Dict[str, Any], command: str = "") -> str:
     out = [f"## Where one {res['method']} step's time goes: {res['device']}"
            + (f" ({res['gpu']})" if res.get("gpu") else "") + f", {res['model']} ({res['model_info']})", "",
            f"Command: `{command}`" if command else "",
-           f"torch {res['torch']}, bf16 autocast, AdamW base. Host ms: median of {res['steps']} unprofiled steps "
+           f"torch {res['torch']}, AdamW base. Host ms: median of {res['steps']} unprofiled steps "
            f"(the whole step {res['step_host_ms']:.2f} ms on the host). Counts (ops, launches, kernels, syncs): one "
            f"profiled step; profiled times: medians over {res['profiled_steps']} profiled steps. Own Python: host "
            f"time of the optimizer's own phases less the time inside the top-level ops it dispatched (profiled). "
