@@ -238,6 +238,9 @@ def test_a_small_run_reports_every_part(checkouts):
     assert len(ratio_rows) == 4 and all(line.endswith("| no verdict: 2 rounds < 30 |") for line in ratio_rows)
     assert "| official VASSO (BingcongLi/VaSSO) |" in text and "| davda54 SAM |" in text
     assert "| AdamW, one pass |" in text and "peak memory (alone)" in text
+    assert "non-finite" not in text  # no step was skipped: none is reported
+    t["nonfinite_steps"] = {"VASSO": 3}
+    assert "- **VASSO (theta=0.4) skipped 3 step(s) for a non-finite gradient**" in device.render(res)
     without = device.run("cpu", models=["transformer"], rows=rows, rounds=1, warmup=0, memory=False)
     assert without["left_out"] == ["ref-vasso", "ref-sam"]
     assert "Left out (no checkout given): official VASSO" in device.render(without)

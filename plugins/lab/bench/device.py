@@ -461,6 +461,9 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
             + (f" (about {per_step * rounds * steps * len(built):.0f} s at the warm-up's pace)" if warmup else ""))
         res["rounds"] = interleaved_rounds(built, rounds, steps, clock, log=log)
         res["summary"] = summarize(res["rounds"])
+        # read once, after the timing (it may sync): a skipped step costs less than a taken one
+        res["nonfinite_steps"] = {name: int(row.opt.nonfinite_steps) for name, row in built.items()
+                                  if getattr(row.opt, "nonfinite_steps", 0)}
         del built, template, batch
         gc.collect()
         if device.type == "cuda":
@@ -519,6 +522,9 @@ def render(results: Dict[str, Any]) -> str:
                            f"(IQR {p['iqr'][0]:.3f}-{p['iqr'][1]:.3f})")
         if base_ms:
             out.append(f"- AdamW, two passes: {base_ms:.2f} ms/step (the denominator)")
+        for name, n in res.get("nonfinite_steps", {}).items():
+            out.append(f"- **{ROWS[name][0]} skipped {n} step(s) for a non-finite gradient** (warm-up and rounds): "
+                       "a skipped step costs less, so its times understate a taken one's")
         mem_kind = next((v["measure"] for v in res["memory"].values()), None)
         if mem_kind:
             out.append(f"- memory: {mem_kind}, each method alone, after {results.get('mem_steps', 2)} steps")
