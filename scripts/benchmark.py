@@ -6,6 +6,9 @@ One command::
     python scripts/benchmark.py            # full run (~10 min on 2 CPU cores)
     python scripts/benchmark.py --quick    # under ~2 min, fewer repeats
     python scripts/benchmark.py --quick --no-fairseq --markdown out.md --json out.json
+    python scripts/benchmark.py --device cuda --quick --reference-vasso ~/VaSSO --reference-sam ~/sam
+    python scripts/benchmark.py --profile --device cuda     # where one VASSO step's time goes
+    python scripts/benchmark.py --host-cost                 # the optimizer's own host time and ops
 
 What it measures (every figure is printed with the machine it was taken on):
 
@@ -53,6 +56,22 @@ The parts live in the installed packages: :mod:`plugins.lab.bench` (models, timi
 report) and :mod:`fairseq_vasso.nmt.bench` (the fairseq-train runs); this recipe chooses
 what to run in each mode.
 
+8. **On a device** (``--device cuda``; ``--device cpu`` runs the same at small sizes): every
+   member of the family, AdamW with one and with two passes, and the anchors where
+   ``--reference-vasso DIR`` (a checkout of BingcongLi/VaSSO) and ``--reference-sam DIR``
+   (davda54/sam) point at them, on ResNet-50 (batch 64 at 224, channels_last) and an
+   IWSLT-sized transformer (6+6 layers, 512 wide, 10k vocabulary, 64x64 tokens), bf16 autocast,
+   AdamW base: CUDA-event times over ``--rounds`` (>= 30) interleaved rounds after a warm-up,
+   medians and IQRs, ratios to AdamW with two passes, peak memory of each method alone on the
+   device, and the verdicts of issue 33's goal where the IQR allows one
+   (:mod:`plugins.lab.bench.device`).  ``--device cuda --quick`` keeps the rows the verdicts
+   need; either fits 2 minutes of one H100.
+9. **Where the time goes** (``--profile``): a ``torch.profiler`` trace of one VASSO step on
+   ``--device``, by phase (:mod:`plugins.lab.bench.profile`).
+10. **Host cost** (``--host-cost``): the optimizer's own host time per step on 200 small
+   tensors against torch's foreach AdamW step, and the ops and host syncs per step of every
+   member on 120 (:mod:`plugins.lab.bench.host`).
+
 Threads: ``torch.set_num_threads(--threads)`` (default 1) in every process and
 ``OMP_NUM_THREADS`` for the children: on a shared 2-core machine one thread per
 process keeps the timings from fighting over cores.  Nothing here asserts a time;
@@ -63,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -73,6 +93,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
+from plugins.lab.bench import anchors, device
 from plugins.lab.bench.memory import run_memory, state_table
 from plugins.lab.bench.models import FLOOR_MODEL, METHODS, MODELS, STATE_ONLY, TINY_FLOOR_MODEL, TINY_MODELS, model_info
 from plugins.lab.bench.report import machine_info, render
@@ -87,6 +108,7 @@ MODES = {
     "quick": dict(reps=5, block=2, warmup=2, mem_reps=1, mem_steps=3, mem_models=("transformer",), fs_reps=1,
                   fs_updates=24, fs_optimizers=("adam", "vasso"), floor_reps=30, floor_block=2),
 }
+DEVICE_MODELS = tuple(device.SIZES["full"])
 MODEL_BLOCK_SCALE = {"transformer": 1, "many-small": 3}  # many-small updates are short: longer blocks
 
 
@@ -168,7 +190,8 @@ def main(argv=None):
                     help="skip SAM and VASSO with a GradScaler over the same methods unscaled")
     ap.add_argument("--fairseq-only", action="store_true", help="only the fairseq-train comparison")
     ap.add_argument("--fairseq-reps", type=int, help="override the number of fairseq repeats")
-    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    ap.add_argument("--models", nargs="+", choices=sorted(set(MODELS) | set(DEVICE_MODELS)),
+                    help=f"the models (default: {' '.join(MODELS)}; with --device: {' '.join(DEVICE_MODELS)})")
     ap.add_argument("--reps", type=int, help="override the number of interleaved repeats")
     ap.add_argument("--tiny", action="store_true", help="tiny models (a smoke test of the script, not a benchmark)")
     ap.add_argument("--workdir", help="where the fairseq toy corpus and runs go (default: $TMPDIR/vasso_benchmark)")
@@ -176,8 +199,40 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the raw results (every block) to this file")
     ap.add_argument("--render", metavar="JSON", help="print the report of a saved --json file again (no run)")
     ap.add_argument("--force", action="store_true", help="let --markdown and --json overwrite existing files")
+    dev = ap.add_argument_group("on a device (part 8), --profile (part 9), --host-cost (part 10)")
+    dev.add_argument("--device", choices=("cpu", "cuda"),
+                     help="run the device benchmark there (cuda: full sizes, >= 30 rounds; cpu: small sizes)")
+    dev.add_argument("--size", choices=sorted(device.SIZES), help="model sizes (default: full on cuda, small on cpu)")
+    dev.add_argument("--rounds", type=int, help=f"interleaved rounds (default {device.MIN_ROUNDS}; at least "
+                     f"{device.MIN_ROUNDS} on cuda, fewer give no verdict)")
+    dev.add_argument("--steps-per-round", type=int, default=1, help="steps of each method per round (default 1)")
+    dev.add_argument("--warmup", type=int, default=3, help="warm-up steps per method (default 3)")
+    dev.add_argument("--rows", nargs="+", choices=list(device.ROWS), help="the methods (default: all; --quick: "
+                     + " ".join(device.QUICK_ROWS) + ")")
+    dev.add_argument("--reference-vasso", metavar="DIR", help="a checkout of BingcongLi/VaSSO: its solver/vasso.py "
+                     "runs as a row (imported from DIR at run time)")
+    dev.add_argument("--reference-sam", metavar="DIR", help="a checkout of davda54/sam: its sam.py runs as a row")
+    dev.add_argument("--adamw", choices=list(device.ADAMW_IMPLS), default="default",
+                     help="torch's AdamW implementation for every row, bases included (default: torch's choice)")
+    dev.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a verdict of the device benchmark "
+                     "is MISS (too noisy and no verdict do not fail)")
+    dev.add_argument("--profile", action="store_true", help="profile one VASSO step on --device (default cpu) by "
+                     "phase instead (plugins.lab.bench.profile)")
+    dev.add_argument("--host-cost", action="store_true", help="the optimizer's own host time and ops per step, "
+                     "on the CPU, instead (plugins.lab.bench.host)")
     args = ap.parse_args(argv)
     refuse_existing(ap, {"--markdown": args.markdown, "--json": None if args.render else args.json}, args.force)
+    if args.device or args.profile or args.host_cost:
+        return device_main(ap, args, argv)
+    for flag, value in (("--size", args.size), ("--rounds", args.rounds), ("--rows", args.rows),
+                        ("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam),
+                        ("--fail-on-miss", args.fail_on_miss or None),
+                        ("--adamw", None if args.adamw == "default" else args.adamw)):
+        if value is not None:
+            ap.error(f"{flag} is an option of the device benchmark: give --device cpu or --device cuda with it")
+    if args.models and set(args.models) - set(MODELS):
+        ap.error(f"--models: {' '.join(sorted(set(args.models) - set(MODELS)))} only with --device "
+                 f"(without it: {', '.join(MODELS)})")
 
     if args.render:
         with open(args.render, encoding="utf-8") as f:
@@ -186,7 +241,12 @@ def main(argv=None):
             blocks = t.get("blocks")
             if blocks:
                 results["timing"][md] = dict(summarize_timing(blocks), blocks=blocks)
-        text = render(results) + f"\nWall time of the benchmark: {results.get('seconds')} s.\n"
+        if "min_rounds" in results:  # a --device run's results
+            for t in results["models"].values():
+                t["summary"] = device.summarize(t["rounds"])
+            text = device.render(results) + "\n"
+        else:
+            text = render(results) + f"\nWall time of the benchmark: {results.get('seconds')} s.\n"
         print(text)
         if args.markdown:
             with open(args.markdown, "w", encoding="utf-8") as f:
@@ -201,7 +261,7 @@ def main(argv=None):
     if args.fairseq_reps:
         overrides["fs_reps"] = args.fairseq_reps
     t0 = time.time()
-    results = run_all("quick" if args.quick else "full", models={k: pool[k] for k in args.models},
+    results = run_all("quick" if args.quick else "full", models={k: pool[k] for k in args.models or MODELS},
                       threads=args.threads, fairseq=not args.no_fairseq, memory=not args.no_memory,
                       floor=not args.no_floor, scaler=not args.no_scaler, tiny=args.tiny,
                       workdir=args.workdir, overrides=overrides, clock=args.clock,
@@ -217,6 +277,82 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1, default=float)
+    return 0
+
+
+def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
+    """Parts 8-10: every input is checked (a clear error naming the flag) before any work."""
+    if args.profile and args.host_cost:
+        ap.error("--profile and --host-cost: give one of them")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False; "
+                 f"torch {torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu")
+    if args.host_cost and args.device not in (None, "cpu"):
+        ap.error("--host-cost measures on the CPU: leave out --device cuda")
+    models = args.models or list(DEVICE_MODELS)
+    if set(models) - set(DEVICE_MODELS):
+        ap.error(f"--models: {' '.join(sorted(set(models) - set(DEVICE_MODELS)))} is not a model of --device "
+                 f"(choose from {', '.join(DEVICE_MODELS)})")
+    if "resnet50" in models and not args.host_cost and importlib.util.find_spec("torchvision") is None:
+        ap.error("--models resnet50 (a default) needs torchvision (pip install torchvision); "
+                 "--models transformer runs without it")
+    rounds = device.MIN_ROUNDS if args.rounds is None else args.rounds
+    if rounds < 1:
+        ap.error(f"--rounds {rounds}: at least 1")
+    if args.device == "cuda" and not args.profile and rounds < device.MIN_ROUNDS:
+        ap.error(f"--rounds {rounds}: at least {device.MIN_ROUNDS} on --device cuda (a verdict needs "
+                 f"{device.MIN_ROUNDS} interleaved rounds)")
+    for flag, value in (("--steps-per-round", args.steps_per_round), ("--warmup", args.warmup)):
+        if value < (1 if flag == "--steps-per-round" else 0):
+            ap.error(f"{flag} {value}: at least {1 if flag == '--steps-per-round' else 0}")
+    classes = {}
+    for flag, path in (("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam)):
+        if path is not None:
+            if args.host_cost or args.profile:
+                ap.error(f"{flag} is for the device benchmark, not for --profile or --host-cost")
+            try:
+                classes[flag] = anchors.load(flag, os.path.expanduser(path))
+            except anchors.AnchorError as e:
+                ap.error(str(e))
+    rows = args.rows or [r for r in (device.QUICK_ROWS if args.quick else device.ROWS)]
+    for r in rows:
+        flag = device.ROWS[r][1]
+        if args.rows and flag in anchors.ANCHORS and flag not in classes:
+            ap.error(f"--rows {r}: needs {flag} DIR")
+    torch.set_num_threads(args.threads)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    command = "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.host_cost:
+        from plugins.lab.bench import host
+
+        results = host.run(log=log)
+        text = host.render(results, command)
+    elif args.profile:
+        from plugins.lab.bench import profile
+
+        results = profile.run(args.device or "cpu", size=args.size, model=(args.models or ["transformer"])[0],
+                              warmup=args.warmup, log=log)
+        text = profile.render(results, command)
+    else:
+        results = device.run(args.device, size=args.size, models=models, rows=rows, rounds=rounds,
+                             steps=args.steps_per_round, warmup=args.warmup, anchor_classes=classes,
+                             log=log, command=command, adamw=args.adamw, anchor_sources={
+                                 flag: anchors.provenance(os.path.expanduser(path)) for flag, path in
+                                 (("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam))
+                                 if path})
+        text = device.render(results)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1, default=str)
+    if args.fail_on_miss and not (args.profile or args.host_cost):
+        missed = [f"{r[0]}: {r[1]}" for r in device.goal_rows(results) if r[3] == "MISS"]
+        if missed:
+            print("benchmark.py: MISS: " + "; ".join(missed), file=sys.stderr)
+            return 1
     return 0
 
 
