@@ -193,7 +193,8 @@ def check_fairseq(device: str, mode: str, workdir: str):
     with open(record, encoding="utf-8") as f:
         norms = [json.loads(line)["grad_norm"] for line in f if line.strip()]
     figure, details = judge(parse_fairseq_log_text(text), norms, mode)
-    details["command"] = "fairseq-train " + " ".join(cmd[4:])
+    # as a user reruns it (the data binarized as the job's preprocess arguments say)
+    details["command"] = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} fairseq-train " + " ".join(cmd[5:])
     details["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
     details["child_seconds"] = round(time.perf_counter() - t0, 1)
     return figure, details
