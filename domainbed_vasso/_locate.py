@@ -101,21 +101,23 @@ def _how_to_fix(detail):
         "time: pip install wilds timm (or this project's [domainbed] extra).")
 
 
-def source_checkout():
-    """This project's checkout when this package runs from one (``setup.cfg`` and git
-    metadata beside the package), else None (an installed copy)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def source_checkout(package_dir=None):
+    """This project's checkout when this package (``package_dir``, default its own folder)
+    runs from one (``setup.cfg`` and git metadata beside the package), else None (an
+    installed copy)."""
+    here = os.path.dirname(os.path.abspath(package_dir or os.path.dirname(__file__)))
     if os.path.isfile(os.path.join(here, "setup.cfg")) and os.path.exists(os.path.join(here, ".git")):
         return here
     return None
 
 
-def beside_the_checkout():
-    """The DomainBed checkout at :data:`BESIDE_THE_CHECKOUT` next to this source checkout,
-    or None (none there, an installed package, or ``DOMAINBED_VASSO_BESIDE=0``)."""
+def beside_the_checkout(checkout=None):
+    """The DomainBed checkout at :data:`BESIDE_THE_CHECKOUT` next to this source checkout
+    (``checkout``, default :func:`source_checkout`), or None (none there, an installed
+    package, or ``DOMAINBED_VASSO_BESIDE=0``)."""
     if os.environ.get(ENV_BESIDE, "").strip() == "0":
         return None
-    checkout = source_checkout()
+    checkout = checkout or source_checkout()
     if checkout is None:
         return None
     root = os.path.join(os.path.dirname(checkout), BESIDE_THE_CHECKOUT)

@@ -102,7 +102,7 @@ for attempt in $(seq 1 12); do
             --only-binary :all: "${target[@]}" --find-links "$DIR" "${reqs[@]}" >"$work/resolve.log" 2>&1; then
         break
     fi
-    missing=$(sed -n 's/.*No matching distribution found for \([^ ]*\).*/\1/p' "$work/resolve.log" | head -1)
+    missing=$(sed -n 's/.*No matching distribution found for \([^ ;]*\).*/\1/p' "$work/resolve.log" | head -1)
     [ -n "$missing" ] || { echo "wheelhouse.sh: pip could not resolve the set:" >&2; tail -20 "$work/resolve.log" >&2; exit 1; }
     name=${missing%%[=<>!~ ;]*}
     if [[ "$name" =~ $TORCH_STACK ]]; then

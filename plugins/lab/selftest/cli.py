@@ -14,13 +14,16 @@ reason), time, and the figure measured.
 * ranks: ranks under DDP and under FSDP2 (``fully_shard``) take the one-process step:
   NCCL across two or more GPUs, gloo on the CPU with ``--ranks 2``;
 * fairseq (when installed): a short ``fairseq-train --user-dir fairseq_vasso --optimizer
-  vasso`` in every precision mode the device has; the loss falls, the diagnostics are
-  finite, the base optimizer sees the gradient unscaled once;
-* DomainBed (when found): one update of DomainBed's VASSO, ``rho = 0`` equal to ERM;
-* cost: VASSO's update over AdamW running the same two passes, on a small transformer.
+  vasso`` in every precision mode the device has (fp32 everywhere, the CPU's with CUDA
+  hidden; --fp16, --amp, --memory-efficient-fp16 on a GPU), side by side; the loss falls,
+  the diagnostics are finite, the base optimizer sees the gradient unscaled once;
+* DomainBed (when found, as the tests find it: domainbed_vasso's locator): one update of
+  DomainBed's VASSO, ``rho = 0`` equal to ERM;
+* cost: VASSO's update over AdamW running the same two passes, on a small transformer,
+  judged only where the spread of its paired repeats allows ("too noisy to judge here").
 
-Exit status: 0 when nothing failed (skipped checks say why), 1 when a check failed, 2 for
-bad arguments.  ``--json PATH`` writes every figure, the environment and each failure's
+Exit status: 0 when nothing failed (skipped checks say why), 1 when a check failed (each
+failing row says in one line what to do), 2 for bad arguments.  ``--json PATH`` writes every figure, the environment and each failure's
 details: the file to attach to a bug report.
 """
 
