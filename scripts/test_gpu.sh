@@ -61,6 +61,12 @@ if [ -n "$WHEELHOUSE" ]; then
         if [ ! -x "$VENV/bin/python" ]; then
             stage "creating $VENV over $(command -v "${PYTHON:-python3}")'s packages (its torch)"
             "${PYTHON:-python3}" -m venv --system-site-packages "$VENV" || exit 1
+            # a PYTHON that is itself a venv: --system-site-packages sees its base's packages, not its
+            # own (where the node's torch may be): a .pth file adds them behind the new venv's
+            "${PYTHON:-python3}" -c 'import sys, sysconfig
+if sys.prefix != sys.base_prefix:
+    print("\n".join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))))' \
+                > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/node_packages.pth"
         fi
         "$VENV/bin/python" -c "import torch" 2>/dev/null || {
             echo "test_gpu.sh: ${PYTHON:-python3} has no torch: the wheelhouse leaves torch to the node;" \

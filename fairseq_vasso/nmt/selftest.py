@@ -82,19 +82,22 @@ def hint_for(output: str) -> str:
     return next(hint for needle, hint in HINTS if needle in output)
 
 
-def _run(cmd: Sequence[str], env: Dict[str, str], what: str) -> str:
+def _run(cmd: Sequence[str], env: Dict[str, str], what: str, shown: Optional[str] = None) -> str:
+    """The child's output; :class:`CheckFailed` with a hint when it fails. ``shown``: the
+    command as a user reruns it, for the report."""
+    where = {"command": shown or " ".join(cmd), "child": list(cmd)}
     try:
         proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=TIMEOUT,
                               start_new_session=True)
     except subprocess.TimeoutExpired:
-        raise CheckFailed(f"{what} did not finish in {TIMEOUT} s", {"command": list(cmd)},
+        raise CheckFailed(f"{what} did not finish in {TIMEOUT} s", where,
                           hint="run the command in the JSON report's details by hand (a toy run takes under "
                                "a minute): is the machine busy?")
     text = proc.stdout + "\n" + proc.stderr
     if proc.returncode != 0:
         tail = "\n".join(text.strip().splitlines()[-15:])
         raise CheckFailed(f"{what} failed (exit {proc.returncode}): {tail.splitlines()[-1] if tail else ''}",
-                          {"command": list(cmd), "output_tail": tail}, hint=hint_for(text))
+                          dict(where, output_tail=tail), hint=hint_for(text))
     return text
 
 
@@ -186,15 +189,16 @@ def check_fairseq(device: str, mode: str, workdir: str):
     if why:
         raise Skipped(why)
     cmd, env, job = _start(device, mode, workdir)
+    # as a user reruns it (after fairseq-preprocess with the job's arguments)
+    shown = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} fairseq-train " + " ".join(cmd[5:])
     t0 = time.perf_counter()
-    text = _run(cmd, env, f"fairseq-train --optimizer vasso {' '.join(MODES[mode]) or '(fp32)'}")
+    text = _run(cmd, env, f"fairseq-train --optimizer vasso {' '.join(MODES[mode]) or '(fp32)'}", shown)
     with open(job, encoding="utf-8") as f:
         record = json.load(f)["record"]
     with open(record, encoding="utf-8") as f:
         norms = [json.loads(line)["grad_norm"] for line in f if line.strip()]
     figure, details = judge(parse_fairseq_log_text(text), norms, mode)
-    # as a user reruns it (the data binarized as the job's preprocess arguments say)
-    details["command"] = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} fairseq-train " + " ".join(cmd[5:])
+    details["command"] = shown
     details["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
     details["child_seconds"] = round(time.perf_counter() - t0, 1)
     return figure, details
