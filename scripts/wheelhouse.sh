@@ -13,13 +13,16 @@
 # compiled code (fairseq-fixed where PyPI has no wheel for the target, e.g. cp311) only when the
 # Python that runs this script (PYTHON, default python3) is the target's version, with torch,
 # numpy and cython installed (fairseq compiles against them: give it the node's torch version).
+# --find-links FOLDER (repeatable): wheels built already (e.g. fairseq-fixed by the node's Python).
 # DIR must be new or empty. Run `bash scripts/wheelhouse.sh --help` for this text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
-DIR="" PYVER="" PLATFORM="" TORCH=""
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+DIR="" PYVER="" PLATFORM="" TORCH="" LINKS=()
 while [ $# -gt 0 ]; do
     case "$1" in
+        --find-links) [ -d "${2:-}" ] || { echo "wheelhouse.sh: --find-links needs a folder of wheels" >&2; exit 2; }
+                      LINKS+=(--find-links "$(cd "$2" && pwd)"); shift 2 ;;
         --python-version) PYVER=${2:?--python-version needs a value, e.g. 3.12}; shift 2 ;;
         --platform) PLATFORM=${2:?--platform needs a value, e.g. manylinux_2_28_x86_64}; shift 2 ;;
         --torch) TORCH=${2:?--torch needs a version, e.g. 2.11.0}; shift 2 ;;
@@ -45,6 +48,7 @@ platforms=(--platform "$PLATFORM")
 if [[ "$PLATFORM" =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
     for ((m = BASH_REMATCH[1] - 1; m >= 5; m--)); do platforms+=(--platform "manylinux_2_${m}_${BASH_REMATCH[2]}"); done
     for legacy in manylinux2014 manylinux2010 manylinux1; do platforms+=(--platform "${legacy}_${BASH_REMATCH[2]}"); done
+    platforms+=(--platform "linux_${BASH_REMATCH[2]}")  # what `pip wheel` tags a wheel it compiled here
 fi
 target=(--python-version "$PYVER" "${platforms[@]}" --implementation cp --abi "$cpver" --abi abi3 --abi none)
 EXTRAS=$("$PY" - <<'PY'
@@ -94,17 +98,23 @@ build_sdist() {  # NAME==VERSION: a wheel from PyPI's source, checked against th
 
 # resolve for the target, binary wheels only; a package with no wheel for it is built from source
 # and the resolution tried again
+declare -A built_names=()
 reqs=("vasso-plugins[$EXTRAS]")
 [ -z "$TORCH" ] || reqs+=("torch==$TORCH")
 for attempt in $(seq 1 12); do
     say "resolving ${reqs[*]} for Python $PYVER on $PLATFORM (attempt $attempt)"
     if pip_ install -q --dry-run --ignore-installed --report "$work/report.json" --target "$work/target" \
-            --only-binary :all: "${target[@]}" --find-links "$DIR" "${reqs[@]}" >"$work/resolve.log" 2>&1; then
+            --only-binary :all: "${target[@]}" --find-links "$DIR" "${LINKS[@]}" "${reqs[@]}" >"$work/resolve.log" 2>&1; then
         break
     fi
     missing=$(sed -n 's/.*No matching distribution found for \([^ ;]*\).*/\1/p' "$work/resolve.log" | head -1)
     [ -n "$missing" ] || { echo "wheelhouse.sh: pip could not resolve the set:" >&2; tail -20 "$work/resolve.log" >&2; exit 1; }
     name=${missing%%[=<>!~ ;]*}
+    if [ -n "${built_names[$name]:-}" ]; then
+        echo "wheelhouse.sh: pip does not take the wheel of $name built here for Python $PYVER on $PLATFORM:" >&2
+        tail -5 "$work/resolve.log" >&2; exit 1
+    fi
+    built_names[$name]=1
     if [[ "$name" =~ $TORCH_STACK ]]; then
         echo "wheelhouse.sh: PyPI has no $missing for Python $PYVER on $PLATFORM (give the node's torch with --torch)" >&2
         exit 1
@@ -129,7 +139,7 @@ for item in sorted(report["install"], key=lambda i: i["metadata"]["name"].lower(
         print(f"{name}=={version}")
 PY
 say "downloading $(wc -l <"$DIR/requirements.txt") wheels (the torch stack left to the node)"
-pip_ download -q --no-deps --only-binary :all: "${target[@]}" --find-links "$DIR" -d "$DIR" \
+pip_ download -q --no-deps --only-binary :all: "${target[@]}" --find-links "$DIR" "${LINKS[@]}" -d "$DIR" \
     -r "$DIR/requirements.txt" >"$work/download.log" 2>&1 || {
     echo "wheelhouse.sh: download failed:" >&2; tail -20 "$work/download.log" >&2; exit 1; }
 say "done: $DIR ($(ls "$DIR"/*.whl | wc -l) wheels, $(du -sh "$DIR" | cut -f1)); the project: $project"
