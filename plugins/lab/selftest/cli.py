@@ -245,7 +245,7 @@ def plan(args, env: Dict, workdir: str) -> List[tuple]:
         add("fairseq", "fairseq fp32" if mode == "fp32" else f"fairseq --{mode}", d,
             lambda d=d, mode=mode: runs.check(d, mode))
     if not gpus:
-        add("fairseq", "fairseq --fp16/--amp/--memory-efficient-fp16", "cuda", skip("no CUDA device"))
+        add("fairseq", "fairseq fp32/--fp16/--amp/--memory-efficient-fp16", "cuda", skip("no CUDA device"))
     for d in devices:
         add("domainbed", "DomainBed", d, lambda d=d: check_domainbed(d))
     for d in devices:
