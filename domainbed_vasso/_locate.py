@@ -1,11 +1,20 @@
 """Find an unmodified DomainBed checkout and adjust the few process-wide knobs
 DomainBed has no flag for (loader workers, offline ResNet weights).
 
-DomainBed is not a pip package: it is found on ``sys.path`` (``PYTHONPATH`` or the
-current directory) or in the checkout named by the environment variable
-``DOMAINBED_ROOT`` (the directory that contains the ``domainbed/`` package).
+DomainBed is not a pip package. :func:`domainbed_root` is the one locator (the entry
+points, ``vasso-selftest`` and the tests use it); it takes the first of
+
+1. the checkout named by the environment variable ``DOMAINBED_ROOT`` (the directory that
+   contains the ``domainbed/`` package);
+2. ``sys.path``: ``PYTHONPATH``, the current directory, or the copy that
+   ``scripts/setup_env.sh --with-domainbed`` installs into the environment (a ``.pth`` file);
+3. only when this package runs from a source checkout of the project (not an installed
+   copy): a DomainBed checkout beside it at :data:`BESIDE_THE_CHECKOUT`, where
+   ``scripts/test.sh`` and CI find it.  ``DOMAINBED_VASSO_BESIDE=0`` turns this off (the
+   tests' environments that must lack DomainBed).
 """
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -13,6 +22,13 @@ import sys
 ENV_ROOT = "DOMAINBED_ROOT"
 ENV_WORKERS = "DOMAINBED_VASSO_NUM_WORKERS"
 ENV_WEIGHTS = "DOMAINBED_VASSO_RESNET_WEIGHTS"
+ENV_BESIDE = "DOMAINBED_VASSO_BESIDE"
+
+#: Where a source checkout of this project finds DomainBed when neither DOMAINBED_ROOT nor
+#: sys.path provides it, relative to the folder that holds the checkout: the one place this
+#: package names a path outside its repository, and only for a development checkout (an
+#: installed package never looks there). The layout of CI and of scripts/test.sh.
+BESIDE_THE_CHECKOUT = os.path.join("shared", "DomainBed")
 
 #: The DomainBed commit this package is tested against (docs/domainbed.md).
 TESTED_COMMIT = "b93c22a1cfc3b2428398272c1a116c8de1f4139e"
@@ -28,8 +44,8 @@ REQUIREMENTS = ("numpy", "torch")
 NOT_IMPORTABLE = (
     f"DomainBed not importable: install it into .venv with `bash scripts/setup_env.sh --with-domainbed` "
     f"(at the tested commit {TESTED_COMMIT[:7]}; `--with-domainbed=/path/to/DomainBed` for a copy you have), "
-    f"or set {ENV_ROOT}=/path/to/DomainBed (a checkout at {TESTED_COMMIT[:7]}); scripts/test.sh uses "
-    "../shared/DomainBed beside the repository when neither is there")
+    f"or set {ENV_ROOT}=/path/to/DomainBed (a checkout at {TESTED_COMMIT[:7]}); a source checkout of this "
+    "project also finds ../shared/DomainBed beside it when neither is there")
 
 
 class DomainBedNotFound(ImportError):
@@ -85,8 +101,33 @@ def _how_to_fix(detail):
         "time: pip install wilds timm (or this project's [domainbed] extra).")
 
 
+def source_checkout(package_dir=None):
+    """This project's checkout when this package (``package_dir``, default its own folder)
+    runs from one (``setup.cfg`` and git metadata beside the package), else None (an
+    installed copy)."""
+    here = os.path.dirname(os.path.abspath(package_dir or os.path.dirname(__file__)))
+    if os.path.isfile(os.path.join(here, "setup.cfg")) and os.path.exists(os.path.join(here, ".git")):
+        return here
+    return None
+
+
+def beside_the_checkout(checkout=None):
+    """The DomainBed checkout at :data:`BESIDE_THE_CHECKOUT` next to this source checkout
+    (``checkout``, default :func:`source_checkout`), or None (none there, an installed
+    package, or ``DOMAINBED_VASSO_BESIDE=0``)."""
+    if os.environ.get(ENV_BESIDE, "").strip() == "0":
+        return None
+    checkout = checkout or source_checkout()
+    if checkout is None:
+        return None
+    root = os.path.join(os.path.dirname(checkout), BESIDE_THE_CHECKOUT)
+    return os.path.abspath(root) if os.path.isfile(os.path.join(root, "domainbed", "__init__.py")) else None
+
+
 def domainbed_root():
-    """The directory holding the ``domainbed`` package, after making it importable.
+    """The directory holding the ``domainbed`` package, after making it importable: the
+    first of ``DOMAINBED_ROOT``, ``sys.path`` and a checkout beside this source checkout
+    (the module's docstring).
 
     Raises :class:`DomainBedNotFound` with instructions when there is none.
     """
@@ -102,6 +143,12 @@ def domainbed_root():
         spec = importlib.util.find_spec("domainbed")
     except (ImportError, ValueError):
         spec = None
+    if (spec is None or not spec.submodule_search_locations) and not root:
+        beside = beside_the_checkout()
+        if beside is not None:
+            sys.path.insert(0, beside)
+            importlib.invalidate_caches()
+            return beside
     if spec is None or not spec.submodule_search_locations:
         raise DomainBedNotFound(_how_to_fix(
             f"The package 'domainbed' is neither on sys.path nor named by {ENV_ROOT}."))

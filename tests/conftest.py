@@ -11,12 +11,21 @@ With ``VASSO_CHECKOUT_GUARD=strict`` (CI sets it: a fresh clone where nothing el
 writes) such a change fails the session. Otherwise it is reported at the end of the
 summary and the exit status is left alone, since a user may run the suite while a demo
 or a sweep of theirs writes into the same checkout.
+
+And the guard of the GPU tests: a test that needs a CUDA device carries the ``gpu`` marker
+(setup.cfg), skips without one (tests/helpers/gpu_marker.py: one reason for all), and ``scripts/test_gpu.sh``
+selects the GPU tests by it (``-m gpu``). A test that skips for lack of a GPU without the
+marker fails, so that none is left out of that selection (CI's CPU stages catch it); under
+``VASSO_REQUIRE_GPU=1`` (scripts/test_gpu.sh, where nvidia-smi lists a GPU) a ``gpu`` test
+that skips for lack of one fails too.
 """
 
 import os
 
 import pytest
 from checkout import REPO, changes, untracked_files
+# the gpu marker's hooks, defined in tests/helpers/gpu_marker.py (tests/test_gpu_marker.py runs them on their own)
+from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

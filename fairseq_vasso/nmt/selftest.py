@@ -1,25 +1,31 @@
 """``vasso-selftest``'s fairseq check: a short ``fairseq-train --user-dir fairseq_vasso
 --optimizer vasso`` on a tiny generated corpus, run as a user runs it (subprocesses:
 ``fairseq_cli.preprocess``, then ``fairseq_cli.train``), in one precision mode on one device.
+One child per (device, mode) binarizes the corpus and trains in one fairseq start-up, and
+the children of a self-test run side by side (:class:`Runs`); the CPU's runs with CUDA
+hidden (``CUDA_VISIBLE_DEVICES=``), as fairseq's ``--cpu`` needs where a GPU is.
 
 It holds when the loss falls, the diagnostics fairseq logs are finite, and the base
 optimizer sees the gradient unscaled exactly once: with ``--clip-norm`` below every
 update's gradient norm, the gradient at each base step has norm ``--clip-norm`` (one
 unscale too many divides it by the loss scale, none multiplies it).  The base steps are
-recorded by a child (``python -m fairseq_vasso.nmt.selftest RECORD -- ARGS``) that
+recorded by a child (``python -m fairseq_vasso.nmt.selftest JOB -- ARGS``) that
 registers torch's global optimizer step pre-hook, then runs fairseq-train's own
 ``cli_main``: fairseq itself is not patched.  Importing this module imports no fairseq.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from plugins.lab.selftest.checks import CheckFailed, Skipped
 
@@ -27,10 +33,10 @@ from .logs import parse_fairseq_log_text
 from .recipe import child_argv, toy_train_args
 from .toy_corpus import write_corpus
 
-#: precision mode -> fairseq-train flags (fp32 on the CPU, the loss-scaled modes on CUDA)
+#: precision mode -> fairseq-train flags (fp32 on the CPU and on CUDA, the loss-scaled modes on CUDA)
 MODES = {"fp32": [], "fp16": ["--fp16"], "amp": ["--amp"],
          "memory-efficient-fp16": ["--fp16", "--memory-efficient-fp16"]}
-CUDA_MODES = ("fp16", "amp", "memory-efficient-fp16")
+CUDA_MODES = ("fp32", "fp16", "amp", "memory-efficient-fp16")
 CLIP = 0.05
 UPDATES = 12
 DIAGNOSTICS = ("ascent_norm", "sharpness", "stability", "loss_gap")
@@ -47,41 +53,67 @@ def fairseq_missing() -> Optional[str]:
 
 
 def _env(device: str) -> Dict[str, str]:
+    """The child's environment: this package first on PYTHONPATH, one thread, and only the
+    device it runs on visible: none for the CPU, since fairseq's ``--cpu`` still puts the
+    gradient norm of ``--clip-norm`` on ``torch.cuda.current_device()`` wherever CUDA is
+    available (its ``utils.clip_grad_norm_``)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = str(int(device.split(":")[1]) if ":" in device else 0)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-def _run(cmd: Sequence[str], env: Dict[str, str], what: str) -> str:
+#: A failing run's one line of what to do, by what its output says (the first match), else the last.
+HINTS = (
+    ("expected to be on cpu but is on cuda",
+     "fairseq's clip_grad_norm_ puts the norm on CUDA whenever a GPU is visible, --cpu or not: run "
+     "fairseq-train --cpu with CUDA_VISIBLE_DEVICES= (empty), as this check's child does"),
+    ("CUDA out of memory", "another process holds the GPU's memory (nvidia-smi): run again on an idle GPU"),
+    ("", "run the command in the JSON report's details (fairseq-train ...) to see fairseq's whole output"),
+)
+
+
+def hint_for(output: str) -> str:
+    return next(hint for needle, hint in HINTS if needle in output)
+
+
+def _run(cmd: Sequence[str], env: Dict[str, str], what: str, shown: Optional[str] = None) -> str:
+    """The child's output; :class:`CheckFailed` with a hint when it fails. ``shown``: the
+    command as a user reruns it, for the report."""
+    where = {"command": shown or " ".join(cmd), "child": list(cmd)}
     try:
         proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=TIMEOUT,
                               start_new_session=True)
     except subprocess.TimeoutExpired:
-        raise CheckFailed(f"{what} did not finish in {TIMEOUT} s", {"command": list(cmd)})
+        raise CheckFailed(f"{what} did not finish in {TIMEOUT} s", where,
+                          hint="run the command in the JSON report's details by hand (a toy run takes under "
+                               "a minute): is the machine busy?")
     text = proc.stdout + "\n" + proc.stderr
     if proc.returncode != 0:
         tail = "\n".join(text.strip().splitlines()[-15:])
         raise CheckFailed(f"{what} failed (exit {proc.returncode}): {tail.splitlines()[-1] if tail else ''}",
-                          {"command": list(cmd), "output_tail": tail})
+                          dict(where, output_tail=tail), hint=hint_for(text))
     return text
 
 
-def prepare_data(workdir: str) -> str:
-    """The binarized toy corpus under ``workdir`` (made once)."""
-    data = os.path.join(workdir, "data-bin")
-    if os.path.exists(os.path.join(data, "dict.de.txt")):
-        return data
+def write_raw_corpus(workdir: str) -> str:
+    """The toy corpus as text under ``workdir`` (written once; no fairseq needed)."""
     raw = os.path.join(workdir, "raw")
-    write_corpus(raw, n_train=300, n_valid=20, n_test=20, seed=1)
-    _run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
-          "--trainpref", os.path.join(raw, "train"), "--validpref", os.path.join(raw, "valid"),
-          "--testpref", os.path.join(raw, "test"), "--destdir", data, "--joined-dictionary", "--workers", "1"],
-         _env("cpu"), "fairseq-preprocess")
-    return data
+    if not os.path.exists(os.path.join(raw, "test.en")):
+        write_corpus(raw, n_train=300, n_valid=20, n_test=20, seed=1)
+    return raw
+
+
+def preprocess_args(raw: str, data: str) -> List[str]:
+    """fairseq-preprocess's arguments: ``raw``'s corpus binarized into ``data``."""
+    return ["--source-lang", "de", "--target-lang", "en", "--trainpref", os.path.join(raw, "train"),
+            "--validpref", os.path.join(raw, "valid"), "--testpref", os.path.join(raw, "test"),
+            "--destdir", data, "--joined-dictionary", "--workers", "1"]
 
 
 def train_args(data: str, save_dir: str, device: str, mode: str, extra: Sequence[str] = ()) -> List[str]:
@@ -136,32 +168,99 @@ def judge(records: List[Dict], base_norms: List[float], mode: str, clip: float =
     return figure, details
 
 
+def _start(device: str, mode: str, workdir: str) -> Tuple[List[str], Dict[str, str], str]:
+    """The child's command, environment and job file for one (device, mode): it binarizes
+    the corpus into its own folder and trains there, in one fairseq start-up."""
+    raw = write_raw_corpus(workdir)
+    run_dir = os.path.join(workdir, f"{device.replace(':', '')}-{mode}")
+    os.makedirs(run_dir, exist_ok=True)
+    data = os.path.join(run_dir, "data-bin")
+    job = os.path.join(run_dir, "job.json")
+    with open(job, "w", encoding="utf-8") as f:
+        json.dump({"record": os.path.join(run_dir, "base_steps.jsonl"), "preprocess": preprocess_args(raw, data)}, f)
+    cmd = [sys.executable, "-m", "fairseq_vasso.nmt.selftest", job, "--",
+           *train_args(data, os.path.join(run_dir, "checkpoints"), device, mode)]
+    return cmd, _env(device), job
+
+
 def check_fairseq(device: str, mode: str, workdir: str):
-    """The check in one precision mode on one device (``"cpu"`` or ``"cuda:i"``)."""
+    """The check in one precision mode on one device (``"cpu"`` or ``"cuda:i"``): one child."""
     why = fairseq_missing()
     if why:
         raise Skipped(why)
-    data = prepare_data(workdir)
-    run_dir = os.path.join(workdir, f"{device.replace(':', '')}-{mode}")
-    os.makedirs(run_dir, exist_ok=True)
-    record = os.path.join(run_dir, "base_steps.jsonl")
-    cmd = [sys.executable, "-m", "fairseq_vasso.nmt.selftest", record, "--",
-           *train_args(data, os.path.join(run_dir, "checkpoints"), device, mode)]
-    text = _run(cmd, _env(device), f"fairseq-train --optimizer vasso {' '.join(MODES[mode]) or '(fp32)'}")
+    cmd, env, job = _start(device, mode, workdir)
+    # as a user reruns it (after fairseq-preprocess with the job's arguments)
+    shown = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} fairseq-train " + " ".join(cmd[5:])
+    t0 = time.perf_counter()
+    text = _run(cmd, env, f"fairseq-train --optimizer vasso {' '.join(MODES[mode]) or '(fp32)'}", shown)
+    with open(job, encoding="utf-8") as f:
+        record = json.load(f)["record"]
     with open(record, encoding="utf-8") as f:
         norms = [json.loads(line)["grad_norm"] for line in f if line.strip()]
     figure, details = judge(parse_fairseq_log_text(text), norms, mode)
-    details["command"] = "fairseq-train " + " ".join(cmd[4:])
+    details["command"] = shown
+    details["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
+    details["child_seconds"] = round(time.perf_counter() - t0, 1)
     return figure, details
 
 
-def child(record: str, argv: Sequence[str]) -> int:
-    """fairseq-train in this process, with the gradient norm of every base optimizer step
-    (every torch optimizer that wraps none) appended to ``record``."""
+
+def parallel_children(jobs: int) -> int:
+    """How many children run at once: one per two cores (each has one thread, and fairseq
+    starts a loader), at least one."""
+    return max(1, min(jobs, (os.cpu_count() or 1) // 2))
+
+
+class Runs:
+    """The fairseq checks of one self-test: every (device, mode) child starts, side by side
+    (at most :func:`parallel_children` at once), when the first is asked for; each
+    :meth:`check` waits for its own.  A row's time is then its wait; the child's own time
+    is in its details (``child_seconds``)."""
+
+    def __init__(self, cases: Sequence[Tuple[str, str]], workdir: str, parallel: Optional[int] = None):
+        self.cases, self.workdir = list(cases), workdir
+        self.parallel = parallel or parallel_children(len(self.cases))
+        self._futures: Dict[Tuple[str, str], concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def _submit_all(self):
+        with self._lock:
+            if self._futures:
+                return
+            why = fairseq_missing()
+            if why:
+                raise Skipped(why)
+            write_raw_corpus(self.workdir)  # once, before the children share it
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.parallel,
+                                                        thread_name_prefix="fairseq-selftest")
+            for device, mode in self.cases:
+                self._futures[(device, mode)] = pool.submit(check_fairseq, device, mode, self.workdir)
+            pool.shutdown(wait=False)
+
+    def check(self, device: str, mode: str):
+        self._submit_all()
+        return self._futures[(device, mode)].result()
+
+    def wait(self):
+        """Every child finished (the checks after these time the device)."""
+        concurrent.futures.wait(list(self._futures.values()))
+
+
+def child(job: str, argv: Sequence[str]) -> int:
+    """fairseq-preprocess (when the job names its arguments), then fairseq-train, in this
+    process, with the gradient norm of every base optimizer step (every torch optimizer that
+    wraps none) appended to the job's record."""
     import torch
     from fairseq_cli import train as train_cli
 
-    out = open(record, "w", encoding="utf-8")
+    with open(job, encoding="utf-8") as f:
+        spec = json.load(f)
+    if spec.get("preprocess"):
+        from fairseq_cli import preprocess as preprocess_cli
+
+        sys.argv = ["fairseq-preprocess", *spec["preprocess"]]
+        preprocess_cli.cli_main()
+    out = open(spec["record"], "w", encoding="utf-8")
 
     def pre_step(optimizer, args, kwargs):
         if hasattr(optimizer, "base_optimizer"):  # the core itself: its base steps below
@@ -184,7 +283,7 @@ def child(record: str, argv: Sequence[str]) -> int:
 
 
 def main(argv=None):
-    return child(*child_argv(argv, "fairseq_vasso.nmt.selftest", "RECORD"))
+    return child(*child_argv(argv, "fairseq_vasso.nmt.selftest", "JOB"))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 A stock ``torch.amp.GradScaler`` is a real scaler on the CPU too (torch >= 2.3): it
 scales, unscales, finds infs and backs off exactly as the CUDA one, so these tests run
 the real thing on any machine.  Every test is parametrized over the device; the
-``cuda`` cases skip without a GPU.  torch 2.1/2.2 have no CPU scaler (only
-``torch.cuda.amp.GradScaler``, which disables itself without CUDA): there the CPU
+``cuda`` cases carry the ``gpu`` marker and skip without a GPU.  torch 2.1/2.2 have no CPU
+scaler (only ``torch.cuda.amp.GradScaler``, which does nothing on a CPU): there the CPU
 cases that need one skip, saying so.
 """
 
@@ -17,11 +17,13 @@ import torch
 from plugins import SAM, VASSO
 from plugins import optimizer as O
 from plugins.lab.selftest.checks import scaled_step
+from plugins.lab.selftest.syncs import cuda_sync_debug_warnings
 from plugins.perturbation import rng_state, second_pass_coin
 from core_helpers import CountSyncs, build, flat, make_batches, make_model, skip_without_cpu_matmul
 
 F = torch.nn.functional
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+#: the ``gpu`` marker: these cases skip without a CUDA device (tests/conftest.py), scripts/test_gpu.sh runs them
+CUDA = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 #: One member per choice of the family (slope, geometry, correction, schedule).
 KINDS = ["SAM", "VASSO", "ASAM", "GSAM", "V+G", "eVASSO"]
@@ -37,7 +39,7 @@ def make_scaler(device, **kw):
         return torch.cuda.amp.GradScaler(**kw)
     if not hasattr(torch.amp, "GradScaler"):
         pytest.skip(f"torch {torch.__version__} has no CPU GradScaler (torch.amp.GradScaler('cpu') came in "
-                    "torch 2.3; torch.cuda.amp.GradScaler disables itself without CUDA)")
+                    "torch 2.3; torch.cuda.amp.GradScaler does nothing on a CPU)")
     return torch.amp.GradScaler("cpu", **kw)
 
 
@@ -535,13 +537,7 @@ def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
     def backward():
         scaler.scale(F.cross_entropy(model(x), y)).backward()
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            scaled_step(opt, model, scaler, backward, api)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) <= 2, [str(w.message) for w in syncs]
+    with cuda_sync_debug_warnings() as syncs:
+        scaled_step(opt, model, scaler, backward, api)
+    assert len(syncs) <= 2, syncs
     assert math.isfinite(opt.diagnostics["ascent_norm"])

@@ -222,6 +222,13 @@ COMMANDS = classified(
     ("bash scripts/test_gpu.sh", check_only(
         "needs GPUs (without one it refuses, saying so): the script parses",
         check="bash -n scripts/test_gpu.sh")),
+    ("bash scripts/test_gpu.sh --wheelhouse /tmp/vasso-wheels", check_only(
+        "needs GPUs and a wheelhouse (without a GPU it refuses, saying so): its usage names the flags",
+        check="bash scripts/test_gpu.sh --help", expect=("--wheelhouse", "--python PATH"))),
+    ("bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.12 --platform manylinux_2_28_x86_64 "
+     "--torch 2.11.0", check_only(
+        "minutes of downloads and a fairseq build for another Python: its usage names the flags",
+        check="bash scripts/wheelhouse.sh --help", expect=("--python-version", "--platform", "--torch"))),
 
     # ---- docs/design.md
     ("python: rng = plugins.rng_state()", substitute(

@@ -39,9 +39,10 @@ def env(**extra):
 
 # sitecustomize runs after site-packages' .pth files: it takes out every sys.path entry that
 # holds a ``domainbed`` package, however it came there (PYTHONPATH, setup_env.sh
-# --with-domainbed's .pth file, site-packages)
+# --with-domainbed's .pth file, site-packages), and turns off the locator's look beside the checkout
 _NO_DOMAINBED_SITECUSTOMIZE = (
     "import os, sys\n"
+    "os.environ['DOMAINBED_VASSO_BESIDE'] = '0'\n"
     "sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or '.', 'domainbed', '__init__.py'))]\n")
 
 
@@ -57,8 +58,8 @@ def env_without_domainbed(folder, **extra):
     e = {k: v for k, v in os.environ.items() if k not in ("DOMAINBED_ROOT", "PYTHONPATH")}
     e["PYTHONPATH"] = os.pathsep.join([site_dir, ROOT])
     e.update(extra)
-    probe = process_group.run([PY, "-c", "import importlib.util, sys; "
-                               "sys.exit(importlib.util.find_spec('domainbed') is not None)"],
+    probe = process_group.run([PY, "-c", "import sys\nfrom domainbed_vasso import _locate\ntry:\n"
+                               "    _locate.domainbed_root()\nexcept ImportError:\n    sys.exit(0)\nsys.exit(1)"],
                               env=e, cwd=str(folder), capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, ("DomainBed is still importable in an environment built to lack it: "
                                    f"{probe.stderr[-2000:]}")

@@ -19,9 +19,10 @@ def clean_env(**extra):
 
 # Runs a module with every sys.path entry that holds a ``domainbed`` package removed, so
 # that DomainBed is missing however this environment provides it (PYTHONPATH, a .pth file
-# from setup_env.sh --with-domainbed, site-packages).
+# from setup_env.sh --with-domainbed, site-packages, a checkout beside this one).
 WITHOUT_DOMAINBED = (
     "import os, runpy, sys\n"
+    "os.environ['DOMAINBED_VASSO_BESIDE'] = '0'\n"
     "sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or '.', 'domainbed', '__init__.py'))]\n"
     "module = sys.argv[1]; sys.argv = [module] + sys.argv[2:]\n"
     "runpy.run_module(module, run_name='__main__', alter_sys=True)\n")

@@ -428,7 +428,7 @@ def test_unsupported_modes_are_refused(toy_data, tmp_path, fs, flags, named, cap
     assert "error: --optimizer vasso does not support" in last and named in last, last
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu  # skips without a CUDA device (tests/conftest.py)
 @pytest.mark.parametrize("mode", list(UNIT_MODES))
 def test_mixed_precision_end_to_end_on_cuda(toy_data, tmp_path, fs, mode):
     """On a GPU, nothing patched: each mode from a scale that overflows, with vasso."""

@@ -27,13 +27,14 @@ def _parse(argv):
 
 @pytest.mark.parametrize("optimizer", ["sam", "vasso"])
 def test_fully_sharded_is_let_through_where_cuda_is_and_adaptive_refused(optimizer, monkeypatch, capsys):
-    """Where CUDA is (faked here), fully_sharded passes the checks, as stock adam's does;
-    --adaptive and --cpu-offload are refused under it with the reason; --cpu, or no CUDA, refuses it with the
-    reason and the alternatives."""
+    """Where CUDA is (faked here where there is none), fully_sharded passes the checks, as
+    stock adam's does; --adaptive and --cpu-offload are refused under it with the reason;
+    --cpu, or no CUDA (faked where there is some), refuses it with the reason and the alternatives."""
     import torch
 
     argv = _ARGV + ["--optimizer", optimizer]
-    assert _parse(argv) == 2  # this machine: no CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _parse(argv) == 2  # no CUDA
     assert "computes on CUDA" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _parse(argv) == optimizer

@@ -441,6 +441,7 @@ def _same_losses(ref, other, rel):
     assert b == pytest.approx(a, rel=rel, abs=2e-3), (a, b)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["adam", "sam", "vasso"])
 def test_fully_sharded_gives_the_legacy_ddp_losses_on_gpus(gpu_runs, name):
     """sam and vasso (with --update-freq 2 --clip-norm) over FSDP's flat shards: the legacy_ddp
@@ -463,6 +464,7 @@ def test_fully_sharded_gives_the_legacy_ddp_losses_on_gpus(gpu_runs, name):
         assert last["slopes"] == last["held"]
 
 
+@pytest.mark.gpu
 def test_fully_sharded_fp16_gives_the_legacy_ddp_losses_as_stock_adam_does(gpu_runs):
     """--fp16 under fully_sharded is FSDP's mixed precision (fp32 shards, fp16 compute) under
     MemoryEfficientFP16Optimizer, legacy_ddp's an fp16 model with fp32 masters: vasso's losses
@@ -471,6 +473,7 @@ def test_fully_sharded_fp16_gives_the_legacy_ddp_losses_as_stock_adam_does(gpu_r
     _same_losses(gpu_runs["vasso-fp16-legacy"], gpu_runs["vasso-fp16-fsdp"], rel=2e-2)
 
 
+@pytest.mark.gpu
 def test_fully_sharded_saves_and_resumes_as_stock_adam_does(gpu_runs):
     """Without --use-sharded-state fairscale consolidates the optimizer state on rank 0: one entry
     per model parameter (d_t beside Adam's moments; the counters in 'sharpness'), whose norms

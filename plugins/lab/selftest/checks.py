@@ -21,21 +21,27 @@ import plugins
 from plugins.perturbation import rng_state
 
 from .reference import MEMBERS, reference_steps
-from .syncs import CountSyncs
+from .syncs import CountSyncs, cuda_sync_debug_warnings
 
 Figure = Tuple[str, Dict]
 
 
 class CheckFailed(Exception):
-    """What was checked does not hold; ``figure`` says what was measured."""
+    """What was checked does not hold; ``figure`` says what was measured, ``hint`` (one line)
+    what to do, where the check knows better than its default (``cli.HINTS``)."""
 
-    def __init__(self, figure: str, details: Optional[Dict] = None):
+    def __init__(self, figure: str, details: Optional[Dict] = None, hint: str = ""):
         super().__init__(figure)
-        self.figure, self.details = figure, details or {}
+        self.figure, self.details, self.hint = figure, details or {}, hint
 
 
 class Skipped(Exception):
-    """The check cannot run here; the message says why."""
+    """The check cannot run (or judge) here; the message says why, ``figure`` and ``details``
+    what was measured, if anything."""
+
+    def __init__(self, reason: str, figure: str = "", details: Optional[Dict] = None):
+        super().__init__(reason)
+        self.figure, self.details = figure, details or {}
 
 
 # ------------------------------------------------------------------ a tiny model, defined by its parameters
@@ -362,14 +368,9 @@ def check_host_syncs(device: str) -> Figure:
             if cuda:
                 x, y = data[-1]
                 torch.cuda.synchronize(device)
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        _one_step(opt, model, scaler, x, y, api)
-                    finally:
-                        torch.cuda.set_sync_debug_mode(0)
-                debug[key] = n = sum("synchroniz" in str(w.message) for w in caught)
+                with cuda_sync_debug_warnings() as seen:
+                    _one_step(opt, model, scaler, x, y, api)
+                debug[key] = n = len(seen)
                 if n > MAX_SYNCS:
                     failures.append(f"{key}: torch's sync debug mode saw {n} syncs in a step")
     details = {"counted_per_step": counted, "limit": MAX_SYNCS}
@@ -390,16 +391,32 @@ def check_host_syncs(device: str) -> Figure:
 #: What docs/benchmarks.md gives for the CPU (run F, 2026-11-23, commit a21f8fe, idle 2-core EPYC).
 CPU_FIGURES = ("docs/benchmarks.md, CPU (run F): SA work 2.41 % of a VASSO update on this transformer; "
                "VASSO / AdamW-2pass 1.147 on many-small-120")
-#: The check fails above this ratio: the floor's own target (docs/benchmarks.md) is 1.25 on the
-#: worst case model; on the transformer, forward/backward dominates.
+#: The limit on the ratio: the floor's own target (docs/benchmarks.md) is 1.25 on the worst case
+#: model; on the transformer, forward/backward dominates.
 COST_LIMIT = 1.25
+
+
+def cost_verdict(ratios: List[float], limit: float = COST_LIMIT) -> str:
+    """``"pass"`` when the interquartile range of the paired ratios lies wholly at or below
+    ``limit``, ``"FAIL"`` when wholly above it, else ``"too noisy"``: on a shared or busy
+    machine the repeats scatter across the limit, and a verdict would be chance."""
+    from plugins.lab.bench.timing import quartiles
+
+    q1, q3 = quartiles(ratios)
+    if not (math.isfinite(q1) and math.isfinite(q3)):
+        return "FAIL"
+    if q3 <= limit:
+        return "pass"
+    if q1 > limit:
+        return "FAIL"
+    return "too noisy"
 
 
 def check_cost(device: str, reps: int = 8, block: int = 2, warmup: int = 2) -> Figure:
     """VASSO's update over a bare AdamW update running the same two forward/backward passes,
     on the benchmark's small transformer (:mod:`plugins.lab.bench`), on the device; the median
     of ratios paired within ``reps`` interleaved repeats (CPU time on the CPU, wall time with
-    synchronization on a GPU)."""
+    synchronization on a GPU), judged by their spread (:func:`cost_verdict`)."""
     _device_ok(device)
     from plugins.lab.bench.models import MODELS
     from plugins.lab.bench.timing import interleaved_timing, median, paired_ratios, quartiles
@@ -408,15 +425,23 @@ def check_cost(device: str, reps: int = 8, block: int = 2, warmup: int = 2) -> F
                                 clock="cpu" if device == "cpu" else "wall", device=device)
     ratios = paired_ratios(blocks, "vasso", "adamw-2pass")
     ratio = median(ratios)
+    q1, q3 = quartiles(ratios)
     ms = {m: 1e3 * median([b["update_median"] for b in bl]) for m, bl in blocks.items()}
-    details = {"vasso_over_adamw_2pass": ratio, "per_repeat": ratios, "iqr": quartiles(ratios), "ms_per_update": ms,
+    details = {"vasso_over_adamw_2pass": ratio, "per_repeat": ratios, "iqr": [q1, q3], "ms_per_update": ms,
                "model": "transformer (plugins.lab.bench.models.MODELS)", "limit": COST_LIMIT,
                "cpu_reference": CPU_FIGURES}
-    figure = (f"VASSO / AdamW-2pass {ratio:.3f} ({ms['vasso']:.1f} vs {ms['adamw-2pass']:.1f} ms/update, "
-              f"{reps} paired repeats); beside {CPU_FIGURES}")
-    if not (math.isfinite(ratio) and ratio <= COST_LIMIT):
-        raise CheckFailed(f"VASSO / AdamW-2pass {ratio:.3f} > {COST_LIMIT}", details)
-    return figure, details
+    measured = (f"VASSO / AdamW-2pass {ratio:.3f}, interquartile range {q1:.3f}-{q3:.3f} over {len(ratios)} "
+                f"paired repeats (limit {COST_LIMIT}; medians taken apart: {ms['vasso']:.1f} vs "
+                f"{ms['adamw-2pass']:.1f} ms/update)")
+    verdict = details["verdict"] = cost_verdict(ratios)
+    if verdict == "FAIL":
+        raise CheckFailed(f"{measured}: above the limit", details,
+                          hint="on an idle machine, `python scripts/benchmark.py` (docs/benchmarks.md) breaks "
+                               "the update's time down; attach its report")
+    if verdict == "too noisy":
+        raise Skipped(f"too noisy to judge here: the repeats straddle the limit {COST_LIMIT} "
+                      f"(interquartile range {q1:.3f}-{q3:.3f}; median {ratio:.3f})", measured, details)
+    return f"{measured}; beside {CPU_FIGURES}", details
 
 
 CHECKS: Dict[str, Callable[[str], Figure]] = {

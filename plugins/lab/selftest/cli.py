@@ -14,13 +14,16 @@ reason), time, and the figure measured.
 * ranks: ranks under DDP and under FSDP2 (``fully_shard``) take the one-process step:
   NCCL across two or more GPUs, gloo on the CPU with ``--ranks 2``;
 * fairseq (when installed): a short ``fairseq-train --user-dir fairseq_vasso --optimizer
-  vasso`` in every precision mode the device has; the loss falls, the diagnostics are
-  finite, the base optimizer sees the gradient unscaled once;
-* DomainBed (when found): one update of DomainBed's VASSO, ``rho = 0`` equal to ERM;
-* cost: VASSO's update over AdamW running the same two passes, on a small transformer.
+  vasso`` in every precision mode the device has (fp32 everywhere, the CPU's with CUDA
+  hidden; --fp16, --amp, --memory-efficient-fp16 on a GPU), side by side; the loss falls,
+  the diagnostics are finite, the base optimizer sees the gradient unscaled once;
+* DomainBed (when found, as the tests find it: domainbed_vasso's locator): one update of
+  DomainBed's VASSO, ``rho = 0`` equal to ERM;
+* cost: VASSO's update over AdamW running the same two passes, on a small transformer,
+  judged only where the spread of its paired repeats allows ("too noisy to judge here").
 
-Exit status: 0 when nothing failed (skipped checks say why), 1 when a check failed, 2 for
-bad arguments.  ``--json PATH`` writes every figure, the environment and each failure's
+Exit status: 0 when nothing failed (skipped checks say why), 1 when a check failed (each
+failing row says in one line what to do), 2 for bad arguments.  ``--json PATH`` writes every figure, the environment and each failure's
 details: the file to attach to a bug report.
 """
 
@@ -130,20 +133,37 @@ class Row(dict):
     """check, device, result ("pass", "FAIL", "skipped"), reason, seconds, figure, details."""
 
 
+#: A failing row's one line of what to do, by check (the first word of its name), where the
+#: check itself gives none (``CheckFailed.hint``).
+HINTS = {
+    "math": "the core's step is off the paper's equations on this device: attach the JSON report to an issue",
+    "mixed": "loss scaling through the two passes is off on this device: attach the JSON report to an issue",
+    "host": "a step reads the device more than twice (details: the count of each member and API): attach the "
+            "JSON report to an issue",
+    "ranks": "the ranks' step differs from one process's: check the backend (NCCL_DEBUG=INFO for NCCL) and attach "
+             "the JSON report",
+    "fairseq": "run the command in the JSON report's details (fairseq-train ...) to see fairseq's whole output",
+    "DomainBed": "is DomainBed at the tested commit (docs/domainbed.md)? The details hold the root and commit found",
+    "cost": "on an idle machine, `python scripts/benchmark.py` (docs/benchmarks.md) breaks the update's time down",
+}
+CRASH_HINT = "the check crashed: its traceback is in the JSON report (--json) under this row's details"
+
+
 def run_check(check: str, device: str, fn: Callable[[], tuple], log: Callable[[str], None]) -> Row:
     from .checks import CheckFailed, Skipped
 
     t0 = time.perf_counter()
-    row = Row(check=check, device=device, result="pass", reason="", figure="", details={})
+    row = Row(check=check, device=device, result="pass", reason="", figure="", details={}, hint="")
     try:
         row["figure"], row["details"] = fn()
     except Skipped as exc:
-        row.update(result="skipped", reason=str(exc))
+        row.update(result="skipped", reason=str(exc), figure=exc.figure, details=exc.details)
     except CheckFailed as exc:
-        row.update(result="FAIL", figure=exc.figure, details=exc.details)
+        row.update(result="FAIL", figure=exc.figure, details=exc.details,
+                   hint=exc.hint or HINTS.get(check.split()[0], CRASH_HINT))
     except Exception as exc:  # a crash is a failure, with its traceback in the report
         row.update(result="FAIL", figure=f"{type(exc).__name__}: {exc}",
-                   details={"traceback": traceback.format_exc()})
+                   details={"traceback": traceback.format_exc()}, hint=CRASH_HINT)
     row["seconds"] = round(time.perf_counter() - t0, 2)
     log(f"[{row['seconds']:6.1f} s] {check:<16} {device:<12} {result_text(row)}"
         + (f": {row['figure']}" if row["figure"] else ""))
@@ -161,7 +181,7 @@ def plan(args, env: Dict, workdir: str) -> List[tuple]:
     from . import checks, ranks
 
     check_domainbed = host_check("domainbed").check_domainbed
-    CUDA_MODES, check_fairseq = host_check("fairseq").CUDA_MODES, host_check("fairseq").check_fairseq
+    fairseq_host = host_check("fairseq")
 
     gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     devices = ["cpu"] + gpus
@@ -218,13 +238,14 @@ def plan(args, env: Dict, workdir: str) -> List[tuple]:
                else "this torch build has no NCCL")
         for setting in ranks.SETTINGS:
             add("ranks", f"ranks ({setting})", "cuda", skip(why))
-    # the hosts
-    add("fairseq", "fairseq fp32", "cpu", lambda: check_fairseq("cpu", "fp32", workdir))
-    for d in gpus:
-        for mode in CUDA_MODES:
-            add("fairseq", f"fairseq --{mode}", d, lambda d=d, mode=mode: check_fairseq(d, mode, workdir))
+    # the hosts: fairseq's children (one per device and mode) start side by side at the first row
+    cases = [("cpu", "fp32")] + [(d, mode) for d in gpus for mode in fairseq_host.CUDA_MODES]
+    runs = fairseq_host.Runs(cases, workdir)
+    for d, mode in cases:
+        add("fairseq", "fairseq fp32" if mode == "fp32" else f"fairseq --{mode}", d,
+            lambda d=d, mode=mode: runs.check(d, mode))
     if not gpus:
-        add("fairseq", "fairseq --fp16/--amp/--memory-efficient-fp16", "cuda", skip("no CUDA device"))
+        add("fairseq", "fairseq fp32/--fp16/--amp/--memory-efficient-fp16", "cuda", skip("no CUDA device"))
     for d in devices:
         add("domainbed", "DomainBed", d, lambda d=d: check_domainbed(d))
     for d in devices:
@@ -297,6 +318,9 @@ def main(argv=None) -> int:
     log("")
     log(table(rows))
     log("")
+    for r in rows:
+        if r["result"] == "FAIL":
+            log(f"What to do, {r['check']} on {r['device']}: {r['hint']}")
     log(f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped in {total:.0f} s")
     if args.json:
         report = {"vasso_selftest": package_version(), "started": started.isoformat(), "seconds": total,

@@ -1,6 +1,10 @@
 """Host synchronizations of a step, counted on any device (the CPU included): the counters
 ``tests/core`` and ``vasso-selftest`` share (docs/design.md, section 7).  On a GPU,
-``vasso-selftest`` also asks torch itself (``torch.cuda.set_sync_debug_mode``)."""
+``vasso-selftest`` and ``tests/core`` also ask torch itself (:func:`cuda_sync_debug_warnings`)."""
+
+import contextlib
+import warnings
+from typing import Iterator, List
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,3 +66,29 @@ class CountSyncCalls(TorchFunctionMode):
         if getattr(func, "__name__", None) in SYNC_CALLS:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+#: What torch's CUDA sync debug mode says at each synchronizing operation in "warn" mode
+#: (c10's ``warn_or_error_on_sync``).  Setting the mode also warns, once per process, that
+#: "Synchronization debug mode is a prototype feature ...": no sync, so not counted.
+CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def cuda_sync_warnings(caught) -> List[str]:
+    """The messages among the recorded warnings ``caught`` that are synchronizing operations."""
+    return [str(w.message) for w in caught if CUDA_SYNC_WARNING in str(w.message)]
+
+
+@contextlib.contextmanager
+def cuda_sync_debug_warnings() -> Iterator[List[str]]:
+    """torch's own count on a GPU: inside the block ``torch.cuda.set_sync_debug_mode("warn")``;
+    the list it yields holds one message per synchronizing CUDA operation once the block ends."""
+    syncs: List[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs.extend(cuda_sync_warnings(caught))

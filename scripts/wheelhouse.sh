@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# A folder of wheels for a GPU node without network (scripts/test_gpu.sh --wheelhouse DIR), built
+# on a machine with network:
+#   bash scripts/wheelhouse.sh DIR --python-version 3.12 --platform manylinux_2_28_x86_64 [--torch 2.11.0]
+# DIR holds this project as a wheel and every package its extras (setup.cfg: fairseq, domainbed,
+# test, slurm, sharding) need, pinned in DIR/requirements.txt, for that Python and platform,
+# WITHOUT the torch stack (torch, torchvision, torchaudio, triton, nvidia-*, cuda-*): the node
+# brings its own, built for its CUDA. --torch names the node's torch version, which the
+# resolution is made against (default: the newest torch that pip allows).
+# pip resolves the set (pip install --dry-run --report: metadata only, torch is not downloaded);
+# packages that PyPI has as source only (fairscale, antlr4-python3-runtime, littleutils, ...)
+# are built into wheels with `pip wheel --no-deps`: pure Python ones for any target; one with
+# compiled code (fairseq-fixed where PyPI has no wheel for the target, e.g. cp311) only when the
+# Python that runs this script (PYTHON, default python3) is the target's version, with torch,
+# numpy and cython installed (fairseq compiles against them: give it the node's torch version).
+# --find-links FOLDER (repeatable): wheels built already (e.g. fairseq-fixed by the node's Python).
+# DIR must be new or empty. Run `bash scripts/wheelhouse.sh --help` for this text.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+DIR="" PYVER="" PLATFORM="" TORCH="" LINKS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --find-links) [ -d "${2:-}" ] || { echo "wheelhouse.sh: --find-links needs a folder of wheels" >&2; exit 2; }
+                      LINKS+=(--find-links "$(cd "$2" && pwd)"); shift 2 ;;
+        --python-version) PYVER=${2:?--python-version needs a value, e.g. 3.12}; shift 2 ;;
+        --platform) PLATFORM=${2:?--platform needs a value, e.g. manylinux_2_28_x86_64}; shift 2 ;;
+        --torch) TORCH=${2:?--torch needs a version, e.g. 2.11.0}; shift 2 ;;
+        -h|--help) usage; exit 0 ;;
+        -*) echo "wheelhouse.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        *) [ -z "$DIR" ] || { echo "wheelhouse.sh: one folder only (got $DIR and $1)" >&2; exit 2; }; DIR=$1; shift ;;
+    esac
+done
+[ -n "$DIR" ] || { echo "wheelhouse.sh: name the folder to fill (see --help)" >&2; exit 2; }
+[[ "$PYVER" =~ ^3\.[0-9]+$ ]] || { echo "wheelhouse.sh: --python-version must be like 3.12 (the node's Python), got '${PYVER}'" >&2; exit 2; }
+[ -n "$PLATFORM" ] || { echo "wheelhouse.sh: --platform is required, e.g. manylinux_2_28_x86_64 (the node's: python3 -c 'import sysconfig; print(sysconfig.get_platform())' and its glibc)" >&2; exit 2; }
+if [ -e "$DIR" ] && [ -n "$(ls -A "$DIR")" ]; then
+    echo "wheelhouse.sh: $DIR exists and is not empty: give a new or empty folder" >&2; exit 2
+fi
+PY=${PYTHON:-python3}
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+pip_() { "$PY" -m pip --disable-pip-version-check "$@"; }
+here_version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+cpver=cp${PYVER/./}
+# pip takes --platform literally: a manylinux_2_N node also runs manylinux_2_M wheels for M < N
+platforms=(--platform "$PLATFORM")
+if [[ "$PLATFORM" =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
+    for ((m = BASH_REMATCH[1] - 1; m >= 5; m--)); do platforms+=(--platform "manylinux_2_${m}_${BASH_REMATCH[2]}"); done
+    for legacy in manylinux2014 manylinux2010 manylinux1; do platforms+=(--platform "${legacy}_${BASH_REMATCH[2]}"); done
+    platforms+=(--platform "linux_${BASH_REMATCH[2]}")  # what `pip wheel` tags a wheel it compiled here
+fi
+target=(--python-version "$PYVER" "${platforms[@]}" --implementation cp --abi "$cpver" --abi abi3 --abi none)
+EXTRAS=$("$PY" - <<'PY'
+import configparser
+cfg = configparser.ConfigParser()
+cfg.read("setup.cfg")
+print(",".join(k for k in cfg["options.extras_require"] if k != "plot"))
+PY
+)
+TORCH_STACK='^(torch|torchvision|torchaudio|triton|pytorch-triton|nvidia-.*|cuda-.*)$'
+work=$(mktemp -d "${TMPDIR:-/tmp}/wheelhouse.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+start=$SECONDS
+say() { echo "[wheelhouse $((SECONDS - start)) s] $*"; }
+
+say "this project as a wheel (built from a copy: the checkout stays as it is)"
+mkdir "$work/src"
+git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work/src"
+pip_ wheel -q --no-deps -w "$DIR" "$work/src" >"$work/project.log" 2>&1 || {
+    echo "wheelhouse.sh: could not build this project's wheel:" >&2; tail -20 "$work/project.log" >&2; exit 1; }
+project=$(basename "$(ls "$DIR"/vasso_plugins-*.whl)")
+
+build_sdist() {  # NAME==VERSION: a wheel from PyPI's source, checked against the target
+    local req=$1 before after built
+    before=$(ls "$DIR")
+    # the builder's own setuptools, torch, numpy and cython first (fairseq-fixed compiles against
+    # torch: an isolated build would fetch the newest torch), then an isolated build
+    if ! pip_ wheel -q --no-deps --no-build-isolation --no-binary "${req%%==*}" -w "$DIR" "$req" \
+            >"$work/build.log" 2>&1; then
+        pip_ wheel -q --no-deps --no-binary "${req%%==*}" -w "$DIR" "$req" >>"$work/build.log" 2>&1 || {
+            echo "wheelhouse.sh: could not build $req from source:" >&2; tail -20 "$work/build.log" >&2; exit 1; }
+    fi
+    after=$(ls "$DIR")
+    built=$(comm -13 <(echo "$before") <(echo "$after") | head -1)
+    case "$built" in
+        *-none-any.whl) say "built $built (pure Python)" ;;
+        *) if [ "$here_version" != "$PYVER" ]; then
+               rm -f "$DIR/$built"
+               echo "wheelhouse.sh: $req has compiled code and PyPI has no wheel of it for Python $PYVER on" \
+                    "$PLATFORM; build it with a Python $PYVER (PYTHON=/path/to/python$PYVER, with torch," \
+                    "numpy and cython installed) or on the node" >&2
+               exit 1
+           fi
+           say "built $built with $PY (Python $here_version, torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none))" ;;
+    esac
+}
+
+# resolve for the target, binary wheels only; a package with no wheel for it is built from source
+# and the resolution tried again
+declare -A built_names=()
+reqs=("vasso-plugins[$EXTRAS]")
+[ -z "$TORCH" ] || reqs+=("torch==$TORCH")
+for attempt in $(seq 1 12); do
+    say "resolving ${reqs[*]} for Python $PYVER on $PLATFORM (attempt $attempt)"
+    if pip_ install -q --dry-run --ignore-installed --report "$work/report.json" --target "$work/target" \
+            --only-binary :all: "${target[@]}" --find-links "$DIR" "${LINKS[@]}" "${reqs[@]}" >"$work/resolve.log" 2>&1; then
+        break
+    fi
+    missing=$(sed -n 's/.*No matching distribution found for \([^ ;]*\).*/\1/p' "$work/resolve.log" | head -1)
+    [ -n "$missing" ] || { echo "wheelhouse.sh: pip could not resolve the set:" >&2; tail -20 "$work/resolve.log" >&2; exit 1; }
+    name=${missing%%[=<>!~ ;]*}
+    if [ -n "${built_names[$name]:-}" ]; then
+        echo "wheelhouse.sh: pip does not take the wheel of $name built here for Python $PYVER on $PLATFORM:" >&2
+        tail -5 "$work/resolve.log" >&2; exit 1
+    fi
+    built_names[$name]=1
+    if [[ "$name" =~ $TORCH_STACK ]]; then
+        echo "wheelhouse.sh: PyPI has no $missing for Python $PYVER on $PLATFORM (give the node's torch with --torch)" >&2
+        exit 1
+    fi
+    # the version the target needs: what pip would pick from the source releases
+    version=$(pip_ index versions "$name" 2>/dev/null | sed -n 's/^Available versions: \([^,]*\).*/\1/p' || true)
+    case "$missing" in *==*) version=${missing#*==} ;; esac
+    [ -n "$version" ] || { echo "wheelhouse.sh: no release of $name found" >&2; exit 1; }
+    say "no wheel of $name for the target: building $name==$version from its source"
+    build_sdist "$name==$version"
+    [ "$attempt" -lt 12 ] || { echo "wheelhouse.sh: still unresolved after 12 attempts" >&2; exit 1; }
+done
+
+# every package pip chose, less the torch stack: downloaded (binary wheels) unless built above
+"$PY" - "$work/report.json" "$TORCH_STACK" >"$DIR/requirements.txt" <<'PY'
+import json, re, sys
+report = json.load(open(sys.argv[1]))
+stack = re.compile(sys.argv[2])
+for item in sorted(report["install"], key=lambda i: i["metadata"]["name"].lower()):
+    name, version = item["metadata"]["name"], item["metadata"]["version"]
+    if not stack.match(name.lower()):
+        print(f"{name}=={version}")
+PY
+say "downloading $(wc -l <"$DIR/requirements.txt") wheels (the torch stack left to the node)"
+pip_ download -q --no-deps --only-binary :all: "${target[@]}" --find-links "$DIR" "${LINKS[@]}" -d "$DIR" \
+    -r "$DIR/requirements.txt" >"$work/download.log" 2>&1 || {
+    echo "wheelhouse.sh: download failed:" >&2; tail -20 "$work/download.log" >&2; exit 1; }
+say "done: $DIR ($(ls "$DIR"/*.whl | wc -l) wheels, $(du -sh "$DIR" | cut -f1)); the project: $project"
+echo "On the node: bash scripts/test_gpu.sh --wheelhouse $DIR   (copy the folder there first)"
