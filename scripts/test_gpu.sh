@@ -11,14 +11,18 @@
 # It never installs from the network. Then, timed part by part:
 #   1. the self-test, `python -m plugins.lab.selftest --ranks 2` on every device (its table);
 #   2. every test that needs a GPU (the `gpu` marker: pytest -m gpu plugins tests);
-#   3. tests/selftest's tests of the self-test, reading part 1's report (not running it again).
+#   3. tests/selftest's tests of the self-test, reading part 1's report (not running it again);
+#   4. the device benchmark, `python scripts/benchmark.py --device cuda --quick` (about 1-2 minutes:
+#      the step-cost verdicts where the spread allows one; REFERENCE_VASSO=DIR and REFERENCE_SAM=DIR,
+#      checkouts of BingcongLi/VaSSO and davda54/sam, add the anchors' rows). Its verdicts inform,
+#      they do not fail the check (scripts/benchmark.py --fail-on-miss does).
 # A `gpu` test that skips for lack of CUDA fails here (VASSO_REQUIRE_GPU=1). DomainBed is found as
 # everywhere (DOMAINBED_ROOT, the environment's copy, ../shared/DomainBed beside this checkout).
 # --install-only: set up the --wheelhouse venv and stop (no GPU needed). Arguments after -- go to
 # part 2's pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 WHEELHOUSE="" PY="" INSTALL_ONLY=0 PYTEST_ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -108,6 +112,8 @@ part "gpu tests (-m gpu)" env VASSO_REQUIRE_GPU=1 VASSO_SELFTEST_RUN="$run" \
     "$PY" -m pytest -ra -m gpu plugins tests "${PYTEST_ARGS[@]}"
 part "self-test's tests (its report)" env VASSO_SELFTEST_RUN="$run" \
     "$PY" -m pytest -ra tests/selftest/test_selftest_command.py
+part "device benchmark (--quick)" "$PY" scripts/benchmark.py --device cuda --quick \
+    ${REFERENCE_VASSO:+--reference-vasso "$REFERENCE_VASSO"} ${REFERENCE_SAM:+--reference-sam "$REFERENCE_SAM"}
 
 echo
 echo "===== GPU check: time of each part"
