@@ -388,7 +388,7 @@ def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_aft
 
     fused = run()
     with monkeypatch.context() as m:
-        m.setattr(O, "_StepLists", _SeparateNorm)
+        m.setattr(O, "StepLists", _SeparateNorm)
         separate = run()
     assert torch.equal(fused[0], separate[0]) and torch.equal(fused[1], separate[1])
     assert str(fused[2]) == str(separate[2])  # every value, NaN included
@@ -400,7 +400,7 @@ def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_aft
     assert separate[3] == [f + int(tp and t > 0) for t, (f, tp) in enumerate(zip(fused[3], two_pass))]
 
 
-class _SeparateNorm(O._StepLists):
+class _SeparateNorm(O.StepLists):
     """The step's lists with VASSO's ||d_t|| read after the update (as a CPU model with
     large tensors does)."""
     __slots__ = ()
