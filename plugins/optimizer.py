@@ -43,6 +43,7 @@ subtract; everything else restores from the ``anchor`` copy, exactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import operator
@@ -65,6 +66,19 @@ from .validation import Closure, Params, Range, check
 __all__ = ["SharpnessAware", "SAM", "VASSO", "Diagnostics"]
 
 _NAN = float("nan")
+
+
+def _ends_with_the_diagnostics_wait(descend):
+    """``descend`` then waits for the loss gap's ``all_reduce`` (issued before the step's
+    last reduction, so on gloo it is done by then and on NCCL the wait is the stream's):
+    no collective outlives its step, nor the process group at exit."""
+    @functools.wraps(descend)
+    def waiting(self, *args, **kwargs):
+        try:
+            return descend(self, *args, **kwargs)
+        finally:
+            self.diagnostics.wait()
+    return waiting
 
 
 class SharpnessAware(torch.optim.Optimizer):
@@ -552,15 +566,15 @@ class SharpnessAware(torch.optim.Optimizer):
             g = scaling.unscale(step.grads, step.loss_scale, in_place=False)  # .grad stays as the scaler left it
         else:
             g = step.grads
-        v, v_norm = self._write_slope(step, g, sums)         # v_t = d_t (SAM: g_t), eq. (5a)
+        d_t, d_t_norm = self._write_slope(step, g, sums)     # eq. (5a); SAM: g_t
         if not step.two_pass:
             return
-        self._keep_for_descent(step, v)                        # x_t for an exact restore, g_t for GSAM
-        lists, rho = step.lists, step.rho
-        norm = sums.get("scaled_slope") if self.adaptive else v_norm
-        step.eps, step.scale, tv_norm = P.ascend_(step.params, v, rho, norm, adaptive_mask=lists.mask,
-                                                  eta=self.eta, plan=lists.plan, layout=lists.layout)  # eq. (5b)
-        step.slopes, step.slope_norm, step.at_ascent = v, v_norm, True
+        self._keep_for_descent(step, d_t)                      # x_t for an exact restore, g_t for GSAM
+        x_t, rho, lists = step.params, step.rho, step.lists
+        norm = sums.get("scaled_slope") if self.adaptive else d_t_norm  # ||d_t|| (ASAM: ||T d_t||)
+        step.eps, step.scale, tv_norm = P.ascend_(x_t, d_t, rho, norm, adaptive_mask=lists.mask, eta=self.eta,
+                                                  plan=lists.plan, layout=lists.layout)  # eq. (5b): x_t + eps_t
+        step.slopes, step.slope_norm, step.at_ascent = d_t, d_t_norm, True
         if self.adaptive and "scaled_slope" not in sums:
             sums["scaled_slope"] = tv_norm                     # ||T v_t||, reduced by the ascent
         _moved_parameters()
@@ -686,20 +700,14 @@ class SharpnessAware(torch.optim.Optimizer):
         # scheduler sees this step as taken, as it does scaler.step(opt)'s.
         return self.step(loss=loss)
 
+    @_ends_with_the_diagnostics_wait
+    @torch.no_grad()
     def _descend(self, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> bool:
-        """:meth:`descend`'s work, then the wait for the loss gap's ``all_reduce`` (issued
-        before this step's last reduction, so on gloo it is done by now and on NCCL the
-        wait is the stream's): no collective outlives its step, nor the process group at
-        exit.  With a scaler, ``grad_scale`` is the scale ``.grad`` still carries (None
-        once ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's verdict on it
+        """:meth:`descend`'s work: back to ``x_t``; the base steps with ``g_t`` (the coin
+        skipped), or with ``h_t`` (GSAM-corrected) if it is finite, or not at all.  With a
+        scaler, ``grad_scale`` is the scale ``.grad`` still carries (None once
+        ``scaler.unscale_(opt)`` ran) and ``found_inf`` the scaler's verdict on it
         (``GradScaler.step`` hands both over)."""
-        try:
-            with torch.no_grad():
-                return self._second_half(grad_scale, found_inf)
-        finally:
-            self.diagnostics.wait()
-
-    def _second_half(self, grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> bool:
         step = self._pending
         if step.kind is Kind.PERTURBED and self._exchanges and not step.second_pass:
             self.abandon()  # the second pass ran with the other ranks' parameters at x_t: its h_t is wrong
