@@ -507,10 +507,10 @@ class SharpnessAware(torch.optim.Optimizer):
             ts = P.adaptive_scales(step.params, lists.mask, self.eta)
             if step.computed is not None or theta is None or previous is None:  # v_t is there already
                 v = step.computed if step.computed is not None else grads  # (SAM's, and VASSO's d_0 = g_0)
-                sums.norm_of("scaled_slope", lambda v, t: torch._foreach_mul(v, t), v, ts)
+                sums.norm_of("scaled_slope", _times, v, ts)
             else:
-                sums.norm_of("scaled_slope", lambda d, g, t: torch._foreach_mul(
-                    P.moving_average(d, g, theta, in_place=False), t), previous, grads, ts)
+                sums.norm_of("scaled_slope", lambda d, g, t: _times(P.moving_average(d, g, theta, in_place=False), t),
+                             previous, grads, ts)
         if step.exchange is not None:
             values, step.exchange = D.exchange_sums(self._exchange, step.exchange, lists.params, sums, lists.plan,
                                                     layout, lambda directions: self._directions(step, directions))
@@ -1091,6 +1091,11 @@ def _copy_(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> Non
     in the step's collectives with nothing of its own."""
     if destinations:
         torch._foreach_copy_(destinations, sources)
+
+
+def _times(vs: List[torch.Tensor], ts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``T v`` tensor by tensor, for the norm ``||T v_t||`` taken before the ascent."""
+    return [v * t.to(v.dtype) for v, t in zip(vs, ts)]
 
 
 def _moved_parameters() -> None:

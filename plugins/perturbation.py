@@ -40,7 +40,8 @@ def moving_average(averages: Tensors, grads: Tensors, theta: float, *, in_place:
         if len(averages):
             torch._foreach_lerp_(list(averages), list(grads), weight)
         return list(averages)
-    return list(torch._foreach_lerp(list(averages), list(grads), weight))
+    # tensor by tensor, as the norm of d_t has always been taken (a fused kernel might round otherwise)
+    return [torch.lerp(d, g.to(d.dtype), weight) for d, g in zip(averages, grads)]
 
 
 def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: float) -> float:
