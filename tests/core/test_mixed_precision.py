@@ -545,3 +545,30 @@ def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= 2, [str(w.message) for w in syncs]
     assert math.isfinite(opt.diagnostics["ascent_norm"])
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_wrapper_hands_the_core_the_scalers_verdict(overflow):
+    """``plugins.scaling.verdict_given``: a wrapper whose own step() calls the core's under
+    ``scaler.step(wrapper)`` (fairseq's OSS under --amp) hands the core the verdict as
+    ``scaler.step(opt)`` would: an overflow skips the base step at x_t, a finite h_t steps;
+    either way the verdict is gone afterwards (a stale grad_scale would unscale the next step)."""
+    from plugins.scaling import verdict_given
+    scaler = make_scaler("cpu", init_scale=2.0 ** 4)
+    model = make_model()
+    opt = build("VASSO", model.parameters(), torch.optim.SGD, lr=0.1, exact_restore=True)  # x_t back exactly
+    (x, y), = make_batches(1)
+    rng = rng_state()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    start = flat(model.parameters())
+    assert opt.perturb(scaler=scaler)
+    opt.zero_grad()
+    with opt.second_pass(model, rng):
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)  # as fairseq's clip_grad_norm does: .grad carries no scale any more
+    with verdict_given(opt, torch.full((), float(overflow))):
+        taken = opt.step()
+    assert taken is not overflow and not opt.in_flight
+    assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
+    assert torch.equal(flat(model.parameters()), start) is overflow
+    assert opt.nonfinite_steps == int(overflow)
