@@ -168,7 +168,7 @@ from fairseq.optim import AMPOptimizer, FP16Optimizer, MemoryEfficientFP16Optimi
 from fairseq.trainer import Trainer  # noqa: E402
 
 from plugins import rng_state  # noqa: E402
-from plugins.perturbation import global_norm  # noqa: E402
+from plugins.reductions import global_norm  # noqa: E402
 
 from .optimizer import CONFIGS, FairseqSharpnessAware, check_flags, flag  # noqa: E402
 

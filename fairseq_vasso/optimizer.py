@@ -29,6 +29,7 @@ from omegaconf import II, OmegaConf
 
 from plugins import SAM, VASSO, PartitionGroup
 from plugins.optimizer import SharpnessAware
+from plugins.scaling import verdict_given
 from plugins.validation import Range, check
 
 __all__ = [
@@ -265,12 +266,10 @@ class FairseqSharpnessAware(FairseqOptimizer):
             # the unscale_(OSS) in fairseq's clip_grad_norm and, without an overflow, calls OSS.step(),
             # whose core.step() finishes the step perturb(scaler=...) began with h_t unscaled once
             core = self.core
-            core.found_inf, core.grad_scale = torch.zeros((), device=_device(core)), None
             try:
-                self.last_step_taken = bool(scaler.step(self._optimizer))
+                with verdict_given(core, torch.zeros((), device=_device(core))):
+                    self.last_step_taken = bool(scaler.step(self._optimizer))
             finally:
-                core.__dict__.pop("found_inf", None)
-                core.__dict__.pop("grad_scale", None)
                 if core.in_flight:  # an overflow: the scaler skipped OSS.step(); x_t back, the step dropped
                     core.abandon()
         else:
@@ -302,8 +301,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
     def load_state_dict(self, state_dict, optimizer_overrides=None):
         self.abandon()
         # FP16Optimizer adds "loss_scale" beside our entries; the core does not want it
-        own = self.core.upgrade_state_dict(
-            {k: v for k, v in state_dict.items() if k in ("state", "param_groups", "sharpness", "base_optimizer")})
+        own = {k: v for k, v in state_dict.items() if k in ("state", "param_groups", "sharpness")}
         if self.sharded:
             own = _partition_of(own, self._optimizer)
         self.core.load_state_dict(own)

@@ -1,8 +1,12 @@
 """Sharpness-aware minimization family (SAM, VASSO, eSAM/eVASSO, ASAM, GSAM) over any
 torch optimizer.  Torch only: the fairseq and DomainBed integrations build on this.
 
-The core is this package's root: ``optimizer`` (the family), ``perturbation`` (each
-formula once), ``validation`` (each knob's range, one ``check``), ``named_params``.
+The core is this package's root: ``optimizer`` (the family and its two-pass protocol),
+``perturbation`` (each formula once, over lists of tensors), ``reductions`` (the step's
+fused sums), ``distributed`` (where tensors live across ranks, the exchange),
+``scaling`` (loss scaling), ``diagnostics``, ``state`` (the state dict), ``inflight``
+(the step between its two halves), ``validation`` (each knob's range, one ``check``),
+``named_params``.
 Experiments, benchmarks and plots live in :mod:`plugins.lab`, which the core never imports.
 
     >>> import torch

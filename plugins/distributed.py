@@ -28,6 +28,7 @@ core imports and runs unsharded on any torch, and a run without DTensors never l
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -35,9 +36,19 @@ import torch
 
 from .validation import check
 
-__all__ = ["dtensor_classes", "is_dtensor", "local", "PartitionGroup", "Layout", "AscentExchange"]
+__all__ = ["dtensor_classes", "is_dtensor", "local", "PartitionGroup", "Layout", "AscentExchange", "exchange_for",
+           "exchange_sums", "move_others"]
 
 _DTENSOR: Optional[tuple] = None
+
+#: The refusal of ``partition_group`` with DTensor parameters (at construction and per step).
+DTENSOR_PARTITION = ("partition_group must be None for DTensor parameters (FSDP2, fully_shard): they carry "
+                     "their device mesh, over which the step reduces; partition_group names the ranks of plain "
+                     "tensors split by hand or by ZeroRedundancyOptimizer / OSS")
+#: The refusal of a second pass without the model under ``partition_group``.
+PARTITION_MODEL = ("partition_group: the second pass needs every parameter at x + eps on every rank, and each "
+                   "rank's optimizer holds only its own: pass the model, step(closure, model=model) or "
+                   "second_pass(model, rng), so that the owners can send theirs (docs/design.md, section 7)")
 _NONE = (None, None, None)
 
 
@@ -93,8 +104,6 @@ class PartitionGroup:
     it needs no model and ``first_step()`` / ``second_step()`` work.  Adaptive geometry
     is refused there: a flat slice no longer tells weight tensors from biases.
     """
-
-    model_gathers = False  # handles pickled before the flag existed
 
     def __init__(self, group=None, *, model_gathers: bool = False):
         dist = torch.distributed
@@ -153,9 +162,7 @@ class Layout:
                                 f"{_describe(q.grad)}: the optimizer cannot tell which ranks hold which part")
         self.sharded = any(kinds)
         if self.sharded and partition_group is not None:
-            raise ValueError("partition_group must be None for DTensor parameters (FSDP2, fully_shard): they "
-                             "carry their device mesh, over which the step reduces; partition_group names the "
-                             "ranks of plain tensors split by hand or by ZeroRedundancyOptimizer / OSS")
+            raise ValueError(DTENSOR_PARTITION)
         self.replica_check = not self.sharded and partition_group is None and _world() > 1
         # a group of this rank alone: its parameters are its own (ranks training models of their own)
         self.partitioned = partition_group is not None and torch.distributed.get_world_size(partition_group) > 1
@@ -430,3 +437,42 @@ def exchange_for(cache: Dict[str, Any], model: torch.nn.Module, owned: List[torc
         cache["exchange"] = AscentExchange(model_params, set(map(id, owned)), group)
         cache["key"] = key
     return cache["exchange"]
+
+
+# ---------------------------------------------------------------------- the exchange leg of a step
+
+
+def exchange_sums(cache: Dict[str, Any], exchange: AscentExchange, params: List[torch.Tensor], sums, plan,
+                  layout, fill) -> Tuple[Dict[str, float], Optional[AscentExchange]]:
+    """``perturb()``'s one collective under ``partition_group``, once the model's exchange
+    is known (built by an earlier second pass): the step's sums and every rank's ascent
+    directions travel in one ``all_gather`` (``docs/design.md``, section 7).
+
+    ``fill(directions)`` writes this rank's ascent directions into the places the
+    exchange gives its parameters ``params`` (``v_t``, or ``T^2 v_t`` in adaptive
+    geometry).  Returns the sums by name (floats: the one host read) and the exchange,
+    or None where nothing may move from the directions: a non-finite ``g_t``, or a rank
+    that could not place its own (its optimizer holds a parameter the exchange does
+    not), in which case ``cache`` is cleared and every rank builds the exchange anew in
+    ``second_pass()`` (collectively), which then shares the parameters."""
+    send, directions = exchange.directions(params)
+    if directions:
+        fill(directions)
+    gathered = exchange.gather(send, sums.local(plan, layout), directions is not None)
+    floats = sums.finish(gathered).tolist()
+    incomplete = floats.pop() > 0
+    values = dict(zip(sums.names, floats))
+    if incomplete or not math.isfinite(floats[0]):
+        exchange.release()
+        exchange = None
+        if incomplete:
+            cache.clear()
+    return values, exchange
+
+
+def move_others(exchange: AscentExchange, ascend_along) -> None:
+    """Move the other owners' parameters to ``x + eps`` as they moved theirs, from the
+    directions they sent (``ascend_along(params, directions)``); their ``x`` is kept for
+    :meth:`AscentExchange.restore`."""
+    others, directions = exchange.arrived()
+    ascend_along(others, directions)

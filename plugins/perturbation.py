@@ -1,11 +1,15 @@
 """The math of one sharpness-aware step, as small functions over lists of tensors.
 
-Every formula of the step (``docs/design.md``) lives here once; :mod:`plugins.optimizer`
-only keeps state and calls these in order.  Torch only.
+Every formula of the step (``docs/design.md``, section 1) is written here once: the
+moving average ``d_t`` (:func:`moving_average`, the one writer of its values), the ascent
+and its undo (:func:`ascend_`, :func:`descend_from_ascent_`), ASAM's ``T``
+(:func:`adaptive_scale`), GSAM's correction, the rho schedule, the coin, the stability
+and the estimated sharpness.  :mod:`plugins.optimizer` keeps state and calls them in
+order; the sums they need come from :mod:`plugins.reductions`.  Torch only.
 
-Notation (paper, Alg. 1-2): ``g`` the first-pass gradient at ``x``, ``v`` the slope
-(``g`` for SAM, the moving average ``d`` for VASSO), ``eps`` the ascent,
-``h`` the second-pass gradient at ``x + eps``.
+Notation (the paper's eq. (3) for SAM, eq. (5a)-(5b) for VASSO, Alg. 1-2): ``g`` the
+first-pass gradient at ``x``, ``v`` the slope (``g`` for SAM, the moving average ``d``
+for VASSO), ``eps`` the ascent, ``h`` the second-pass gradient at ``x + eps``.
 """
 
 from __future__ import annotations
@@ -16,181 +20,28 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .reductions import Sums, global_norm
+
 Tensors = Sequence[torch.Tensor]
 
 _MASK64 = (1 << 64) - 1
 
 
-# --------------------------------------------------------------------------- reductions
-
-#: Tensors smaller than this many elements are flattened together (one ``torch.cat``
-#: per chunk), so that a model of many small tensors costs a few kernels instead of
-#: one per tensor; larger tensors are reduced where they are, without a copy.
-FLAT_BELOW = 1 << 15
-#: A chunk of flattened tensors holds at most this many elements (the transient copy).
-FLAT_CHUNK = 1 << 20
-
-
-def chunk_plan(tensors: Tensors) -> List[List[int]]:
-    """Index groups of ``tensors`` that :func:`reductions` flattens together: same
-    device and dtype, each under :data:`FLAT_BELOW` elements, at most
-    :data:`FLAT_CHUNK` in all (a larger tensor forms a group alone).  Depends only on
-    the tensors' sizes, devices and dtypes, so callers cache it."""
-    plan: List[List[int]] = []
-    open_chunks: dict = {}
-    for i, t in enumerate(tensors):
-        n = t.numel()
-        if n >= FLAT_BELOW:
-            plan.append([i])
-            continue
-        key = (t.device, t.dtype)
-        chunk = open_chunks.get(key)
-        if chunk is None or chunk[1] + n > FLAT_CHUNK:
-            chunk = open_chunks[key] = [[], 0]
-            plan.append(chunk[0])
-        chunk[0].append(i)
-        chunk[1] += n
-    return plan
-
-
-def _flat(tensors: Tensors, chunk: List[int]) -> torch.Tensor:
-    t = torch.cat([tensors[i].reshape(-1) for i in chunk])
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flattened, in float32 if it is fp16/bf16."""
-    t = t.reshape(-1)
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def reductions(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, *, layout=None,
-               extra: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """Several sums over lists of tensors of the same shapes in one go, as one float64
-    vector on the tensors' device:
-
-    * ``(xs, None)``: ``||xs||``, one global L2 norm;
-    * ``(xs, ys)``: ``<xs, ys>``;
-    * ``(ds, gs, theta)``: ``||(1 - theta) ds + theta gs||``, the norm of VASSO's next
-      moving average, computed before (and without) updating ``ds``;
-    * ``(ds, gs, theta, ts)``: ``||ts * ((1 - theta) ds + theta gs)||``, the same scaled
-      pointwise (adaptive geometry's ``||T v||``);
-
-    then the values of the tensors of ``extra``, flattened, summed like the rest.
-
-    The small tensors of each chunk of :func:`chunk_plan` are flattened once per list
-    (one ``torch.cat``) and reduced with one kernel per term; large tensors are reduced
-    where they are (norms with one ``torch._foreach_norm``).  fp16/bf16 are reduced in
-    float32 (no overflow of the sum of squares); the partial sums add up in float64.
-
-    ``layout`` (:class:`plugins.distributed.Layout`): the tensors are this rank's local
-    parts (DTensor shards, or a partition of the parameters); only the ones it
-    ``counted`` enter, and the partial sums (squares and inner products, not norms) are
-    summed over its groups with one ``all_reduce`` before the square roots are taken.
-    Every rank must then call this alike, whatever it holds (an empty shard included).
-    Reading the result (``tolist()``) is the one host synchronization for all of them."""
-    partial = local_sums(terms, plan, layout)
-    extra = [e.detach().reshape(-1).to(partial.device, torch.float64) for e in extra]
-    if extra:
-        partial = torch.cat([partial] + extra)
-    if layout is not None and layout.collective:
-        layout.all_reduce(partial)
-    return finish_sums(terms, partial)
-
-
-def finish_sums(terms: Sequence[tuple], sums: torch.Tensor) -> torch.Tensor:
-    """The terms of :func:`reductions` from their global sums (the partial sums summed
-    over the ranks, however): the square roots of the norm terms; entries past the
-    terms (``extra``) as they are."""
-    is_norm = [len(t) >= 3 or t[1] is None for t in terms] + [False] * (sums.numel() - len(terms))
-    if not any(is_norm):
-        return sums
-    # the roots entry by entry: a mask tensor would be a host-to-device copy per call
-    return torch.stack([v.clamp(min=0.0).sqrt() if n else v for v, n in zip(sums.unbind(0), is_norm)])
-
-
-def local_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
-    """The terms of :func:`reductions` as this rank's partial sums (squares for the
-    norms, no square root) over the tensors ``layout`` counts, with no collective: to
-    be reduced later, with another reduction's ``extra``."""
-    if layout is not None and layout.counted is not None:
-        keep = layout.counted
-        terms = [tuple([xs[i] for i in keep] if isinstance(xs, (list, tuple)) else xs for xs in term)
-                 for term in terms]
-    return _partial_sums(terms, plan, layout)
-
-
-def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layout) -> torch.Tensor:
-    """The local sums of squares (norm terms) and inner products, float64."""
-    first = terms[0][0]
-    if len(first) == 0:
-        device = layout.device if layout is not None else torch.device("cpu")
-        return torch.zeros(len(terms), dtype=torch.float64, device=device)
-    plan = chunk_plan(first) if plan is None else plan
-    alone = [c[0] for c in plan if len(c) == 1]
-    chunks = [c for c in plan if len(c) > 1]
-    flats: dict = {}
-
-    def flat(xs, k):
-        key = (id(xs), k)
-        f = flats.get(key)
-        if f is None:
-            f = flats[key] = _flat(xs, chunks[k])
-        return f
-
-    results = []
-    for term in terms:
-        if len(term) >= 3 or term[1] is None:  # a norm: the sum of the squared per-tensor / per-chunk norms
-            if len(term) >= 3:
-                ds, gs, theta = term[:3]
-                ts = term[3] if len(term) == 4 else None
-
-                def averaged(d, g, t=None):
-                    v = torch.lerp(d, g.to(d.dtype), theta)
-                    return v if t is None else v * t.to(v.dtype)
-                parts = [torch.linalg.vector_norm(averaged(_wide(ds[i]), _wide(gs[i]),
-                                                           None if ts is None else _wide(ts[i]))) for i in alone]
-                parts += [torch.linalg.vector_norm(averaged(flat(ds, k), flat(gs, k),
-                                                            None if ts is None else flat(ts, k)))
-                          for k in range(len(chunks))]
-            else:
-                xs = term[0]
-                big = [xs[i] for i in alone]
-                if big and all(t.dtype in (torch.float32, torch.float64) for t in big):
-                    parts = list(torch._foreach_norm(big))
-                else:
-                    parts = [torch.linalg.vector_norm(_wide(t)) for t in big]
-                parts += [torch.linalg.vector_norm(flat(xs, k)) for k in range(len(chunks))]
-            results.append(torch.stack([q.double() for q in parts]).square().sum())
-        else:
-            xs, ys = term
-            parts = [torch.dot(_wide(xs[i]), _wide(ys[i]).to(_wide(xs[i]).dtype)) for i in alone]
-            parts += [torch.dot(flat(xs, k), flat(ys, k).to(flat(xs, k).dtype)) for k in range(len(chunks))]
-            results.append(torch.stack([q.double() for q in parts]).sum() if len(parts) > 1
-                           else parts[0].double())
-    return torch.stack(results)
-
-
-def global_norm(tensors: Tensors, plan: Optional[List[List[int]]] = None, layout=None) -> torch.Tensor:
-    """One L2 norm over every tensor of the list (a 0-dim float64 tensor)."""
-    return reductions([(list(tensors), None)], plan, layout=layout)[0]
-
-
-def dot(xs: Tensors, ys: Tensors, layout=None) -> torch.Tensor:
-    """Inner product <xs, ys> over all tensors, as a 0-dim float64 tensor (no host sync)."""
-    xs, ys = list(xs), list(ys)
-    if not xs and (layout is None or not layout.collective):
-        return torch.zeros((), dtype=torch.float64)
-    return reductions([(xs, ys)], layout=layout)[0]
-
-
 # --------------------------------------------------------------------------- slope
 
 
-def update_moving_average(averages: Tensors, grads: Tensors, theta: float) -> None:
-    """VASSO's slope, in place: ``d <- (1 - theta) * d + theta * g`` (paper eq. 4a)."""
-    if len(averages):
-        torch._foreach_lerp_(list(averages), list(grads), theta)
+def moving_average(averages: Tensors, grads: Tensors, theta: float, *, in_place: bool) -> List[torch.Tensor]:
+    """VASSO's slope, the paper's eq. (5a): ``d_t = (1 - theta) d_{t-1} + theta g_t``, over
+    lists: ``averages`` hold ``d_{t-1}``.  ``in_place``: written into them (the one place
+    the values of ``d_t`` are written, whichever buffer then holds them); else returned
+    as new tensors (a norm of ``d_t`` taken before ``d_t`` is written)."""
+    weight = theta  # of the new gradient g_t
+    if in_place:
+        if len(averages):
+            torch._foreach_lerp_(list(averages), list(grads), weight)
+        return list(averages)
+    # tensor by tensor, as the norm of d_t has always been taken (a fused kernel might round otherwise)
+    return [torch.lerp(d, g.to(d.dtype), weight) for d, g in zip(averages, grads)]
 
 
 def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: float) -> float:
@@ -204,6 +55,12 @@ def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: 
 def adaptive_scale(param: torch.Tensor, eta: float) -> torch.Tensor:
     """ASAM's element-wise operator ``T = |x| + eta`` (Kwon et al. 2021)."""
     return param.detach().abs().add_(eta)
+
+
+def adaptive_scales(params: Tensors, adaptive_mask: Sequence[bool], eta: float) -> List[torch.Tensor]:
+    """``T`` for every tensor: :func:`adaptive_scale` where ``adaptive_mask`` is True, 1
+    elsewhere (biases, norms)."""
+    return [adaptive_scale(x, eta) if m else torch.ones_like(x) for x, m in zip(params, adaptive_mask)]
 
 
 def ascent_direction(
@@ -239,7 +96,7 @@ def ascent_direction(
     elif not scaled and (layout is None or not layout.collective):
         return scaled, torch.zeros((), dtype=torch.float64)
     else:
-        norm = global_norm(scaled, plan, layout)  # ``plan``/``layout``: see :func:`reductions`
+        norm = global_norm(scaled, plan, layout)  # ``plan``/``layout``: see :class:`plugins.reductions.Sums`
     for tv, t in zip(scaled, scales):
         if t is not None:
             tv.mul_(t)  # T (T v) = T^2 v
@@ -297,6 +154,19 @@ def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
     if params:
         torch._foreach_add_(params, eps)
     return eps, None, scaled_norm
+
+
+def descend_from_ascent_(params: Tensors, slopes: Tensors, scale: float,
+                         anchors: Optional[Tensors] = None) -> None:
+    """Back from ``x + eps`` to ``x`` in place: a copy of the kept ``anchors`` (exact), or,
+    in plain geometry, ``x -= s v`` (the ``s v`` :func:`ascend_` added: ``x`` again up to
+    the rounding of one add and one subtract)."""
+    params = list(params)
+    if anchors is not None:
+        if params:
+            torch._foreach_copy_(params, list(anchors))
+    elif params:
+        torch._foreach_add_(params, list(slopes), alpha=-scale)
 
 
 def plain_ascent_scale(rho: float, slope_norm: float) -> float:
@@ -368,7 +238,8 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
     if alpha == 0.0 or len(second_grads) == 0:
         return
     if h_norm is None or g_dot_h is None:
-        h_norm, g_dot_h = reductions([(list(second_grads), None), (list(first_grads), list(second_grads))]).tolist()
+        sums = Sums().norm("h", list(second_grads)).inner("g_dot_h", list(first_grads), list(second_grads))
+        h_norm, g_dot_h = sums.reduce().tolist()
     h_sq = h_norm * h_norm
     if h_sq == 0.0:
         return
@@ -405,28 +276,6 @@ def second_pass_coin(p: float, seed: int, step: int) -> bool:
     if p <= 0.0:
         return False
     return uniform(seed, step) < p
-
-
-# --------------------------------------------------------------------------- loss scaling
-
-
-def unscale(tensors: Tensors, scale: torch.Tensor, *, in_place: bool) -> List[torch.Tensor]:
-    """``tensors / scale`` for a loss scale held in a 0-dim tensor, on the device (no host
-    sync): in place, or as new tensors.  The reciprocal is taken in float64, as
-    ``torch.amp.GradScaler`` takes it, so a power-of-two scale unscales exactly."""
-    inverse = scale.detach().double().reciprocal().float()
-    tensors = list(tensors)
-    out = list(tensors)
-    for device in {t.device for t in tensors}:
-        index = [i for i, t in enumerate(tensors) if t.device == device]
-        group = [tensors[i] for i in index]
-        factor = inverse.to(device, non_blocking=True)
-        if in_place:
-            torch._foreach_mul_(group, factor)
-        else:
-            for i, t in zip(index, torch._foreach_mul(group, factor)):
-                out[i] = t
-    return out
 
 
 # --------------------------------------------------------------------------- host helpers

@@ -390,7 +390,7 @@ def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_aft
 
     fused = run()
     with monkeypatch.context() as m:
-        m.setattr(O, "_StepLists", _SeparateNorm)
+        m.setattr(O, "StepLists", _SeparateNorm)
         separate = run()
     assert torch.equal(fused[0], separate[0]) and torch.equal(fused[1], separate[1])
     assert str(fused[2]) == str(separate[2])  # every value, NaN included
@@ -402,7 +402,7 @@ def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_aft
     assert separate[3] == [f + int(tp and t > 0) for t, (f, tp) in enumerate(zip(fused[3], two_pass))]
 
 
-class _SeparateNorm(O._StepLists):
+class _SeparateNorm(O.StepLists):
     """The step's lists with VASSO's ||d_t|| read after the update (as a CPU model with
     large tensors does)."""
     __slots__ = ()
@@ -541,3 +541,30 @@ def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
         scaled_step(opt, model, scaler, backward, api)
     assert len(syncs) <= 2, syncs
     assert math.isfinite(opt.diagnostics["ascent_norm"])
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_wrapper_hands_the_core_the_scalers_verdict(overflow):
+    """``plugins.scaling.verdict_given``: a wrapper whose own step() calls the core's under
+    ``scaler.step(wrapper)`` (fairseq's OSS under --amp) hands the core the verdict as
+    ``scaler.step(opt)`` would: an overflow skips the base step at x_t, a finite h_t steps;
+    either way the verdict is gone afterwards (a stale grad_scale would unscale the next step)."""
+    from plugins.scaling import verdict_given
+    scaler = make_scaler("cpu", init_scale=2.0 ** 4)
+    model = make_model()
+    opt = build("VASSO", model.parameters(), torch.optim.SGD, lr=0.1, exact_restore=True)  # x_t back exactly
+    (x, y), = make_batches(1)
+    rng = rng_state()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    start = flat(model.parameters())
+    assert opt.perturb(scaler=scaler)
+    opt.zero_grad()
+    with opt.second_pass(model, rng):
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)  # as fairseq's clip_grad_norm does: .grad carries no scale any more
+    with verdict_given(opt, torch.full((), float(overflow))):
+        taken = opt.step()
+    assert taken is not overflow and not opt.in_flight
+    assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
+    assert torch.equal(flat(model.parameters()), start) is overflow
+    assert opt.nonfinite_steps == int(overflow)

@@ -170,7 +170,9 @@ def test_resume_mid_schedule_is_bit_exact(cls):
     assert torch.equal(flat(model.parameters()), expected)
 
 
-def test_state_dict_from_before_rho_lived_in_the_groups_loads():
+def test_a_state_dict_from_before_rho_lived_in_the_groups_is_refused():
+    """The unreleased format whose groups held no rho (it replaced an upgrade that took
+    the constructor's): refused, naming the key expected, before anything loads."""
     model = make_model()
     opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
     opt.step(closure_for(opt, model, *make_batches(1)[0]))
@@ -178,8 +180,9 @@ def test_state_dict_from_before_rho_lived_in_the_groups_loads():
     for g in old["param_groups"]:
         del g["rho"]
     opt2 = VASSO(model.parameters(), torch.optim.SGD, rho=0.3, lr=0.1)
-    opt2.load_state_dict(old)
-    assert [g["rho"] for g in opt2.param_groups] == [0.3]
+    with pytest.raises(ValueError, match=r"param group 0 of the state dict has no 'rho'.*expected .*'rho'"):
+        opt2.load_state_dict(old)
+    assert [g["rho"] for g in opt2.param_groups] == [0.3] and opt2.num_steps == 0
 
 
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])

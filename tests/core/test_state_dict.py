@@ -1,4 +1,4 @@
-"""The optimizer's state dict: torch's shape, the earlier format, torch's checkpoint helpers;
+"""The optimizer's state dict: torch's shape, the earlier formats refused, torch's checkpoint helpers;
 checkpoints at any point (before any step, after skipped steps); copy and pickle.
 
 ``state_dict()`` is ``{"state": {index: {...}}, "param_groups": [...]}`` with this
@@ -28,11 +28,10 @@ from plugins import SAM, VASSO
 
 from core_helpers import FAMILY, VARIANTS, build, closure_for, coin_seed, flat, make_batches, make_model
 
-# Made by the code of commit c0e16db (the format before this one: {"base_optimizer",
-# "state", "sharpness"}): for each case, the model and optimizer state dicts after 5
-# steps on make_batches(10) (model: make_model()), and the weights that
-# code reached after the 5 further steps.  Regenerate only to add a case, with that commit's
-# plugins/ on the path (git archive c0e16db plugins); this file's CASES builds the same optimizers.
+# Made by the code of commit c0e16db (an unreleased format before this one: {"base_optimizer",
+# "state", "sharpness"}, which no longer loads): for each case, the model and optimizer state
+# dicts after 5 steps on make_batches(10) (model: make_model()), and the weights that code
+# reached after the 5 further steps; this file's CASES builds the same optimizers.
 LEGACY = Path(__file__).parent / "data" / "state_dict_c0e16db.pt"
 
 CASES = {
@@ -55,21 +54,20 @@ def legacy():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_state_dict_of_the_earlier_format_loads_and_continues_bit_for_bit(legacy, case):
+def test_a_state_dict_of_the_earlier_format_is_refused_naming_the_keys_expected(legacy, case):
+    """The unreleased format of c0e16db (it replaced an upgrade of it): refused before
+    anything loads, with the keys that were found and those expected."""
     saved = legacy[case]
     assert set(saved["optimizer"]) == {"base_optimizer", "state", "sharpness"}  # the earlier format
     model = make_model(seed=3)
-    model.load_state_dict(saved["model"])
     opt = CASES[case](model.parameters())
-    opt.load_state_dict(saved["optimizer"])
-    assert opt.num_steps == 5
-    train(opt, model, make_batches(10)[5:])
-    for got, want in zip(model.parameters(), saved["final"]):
-        assert torch.equal(got, want)
-    # and it is saved again in today's shape
-    again = opt.state_dict()
-    assert set(again) == {"state", "param_groups", "sharpness"}
-    assert all("sam_slope" in e and "sam_counters" in e for e in again["state"].values())
+    expected = r"got the keys \['base_optimizer', 'sharpness', 'state'\], expected .*'state'.*'param_groups'"
+    with pytest.raises(ValueError, match=expected):
+        opt.load_state_dict(saved["optimizer"])
+    with pytest.raises(ValueError, match=expected):
+        type(opt).base_optimizer_state(saved["optimizer"])
+    assert opt.num_steps == 0 and not opt.state
+    assert all("rho" in g for g in opt.param_groups)
 
 
 def test_each_entry_holds_the_base_moments_beside_ours():
@@ -212,23 +210,24 @@ def test_a_checkpoint_taken_at_any_point_resumes_bit_for_bit(kind, route, tmp_pa
 
 
 @pytest.mark.parametrize("point", [0, 2])
-def test_entries_saved_before_sam_held_existed_still_load(point):
-    """The format before ``sam_held``: entries held placeholders at step 0 only (all of
-    them), real buffers after; both load and continue bit for bit."""
-    batches = make_batches(4)
+def test_entries_without_sam_held_are_refused(point):
+    """Entries of the unreleased format before ``sam_held`` (it replaced an upgrade of
+    them), and param groups without ``rho`` (the format before rho lived in the groups):
+    refused, naming what is expected, before anything loads."""
     model = make_model()
     opt = build("VASSO", model.parameters())
-    train(opt, model, batches[:point])
+    train(opt, model, make_batches(4)[:point])
     saved = copy.deepcopy(opt.state_dict())
     for entry in saved["state"].values():
         del entry["sam_held"]
-    resumed = make_model(seed=9)
-    resumed.load_state_dict(model.state_dict())
-    fresh = build("VASSO", resumed.parameters())
-    fresh.load_state_dict(saved)
-    train(opt, model, batches[point:])
-    train(fresh, resumed, batches[point:])
-    assert torch.equal(flat(resumed.parameters()), flat(model.parameters()))
+    fresh = build("VASSO", make_model(seed=9).parameters())
+    with pytest.raises(ValueError, match=r"holds \['sam_slope'\] without 'sam_held'.*expected .*'sam_held'"):
+        fresh.load_state_dict(saved)
+    no_rho = copy.deepcopy(opt.state_dict())
+    del no_rho["param_groups"][0]["rho"]
+    with pytest.raises(ValueError, match="param group 0 of the state dict has no 'rho'"):
+        fresh.load_state_dict(no_rho)
+    assert fresh.num_steps == 0 and not fresh.state
 
 
 def test_entries_assigned_one_by_one_resume_bit_for_bit():

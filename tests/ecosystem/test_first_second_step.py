@@ -113,7 +113,7 @@ def test_skipped_steps_keep_g_t_without_a_copy_when_zero_grad_is_true():
     loss_of(model, x, y).backward()
     grads = [q.grad for q in model.parameters()]
     assert opt.first_step(zero_grad=True) is False
-    kept = opt._pending["kept_grads"][1]
+    kept = opt._pending.kept_grads[1]
     assert all(a is b for a, b in zip(kept, grads))  # the tensors themselves
     loss_of(model, x, y).backward()
     opt.second_step(zero_grad=True)

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import plugins.perturbation as P
+from plugins import scaling
+from plugins.inflight import Kind
 from plugins import distributed
 from plugins.optimizer import SharpnessAware
 from plugins.lab.selftest import checks, ranks, syncs
@@ -26,8 +28,9 @@ def _mutant_ascent_scale(monkeypatch):
 
 
 def _mutant_moving_average(monkeypatch):
-    monkeypatch.setattr(P, "update_moving_average",
-                        lambda averages, grads, theta: torch._foreach_lerp_(list(averages), list(grads), 1 - theta))
+    stock = P.moving_average
+    monkeypatch.setattr(P, "moving_average", lambda averages, grads, theta, *, in_place: stock(
+        averages, grads, 1 - theta, in_place=in_place))
 
 
 def _mutant_gsam(monkeypatch):
@@ -66,12 +69,12 @@ def test_the_math_check_fails_on_a_mutant_core(mutant, device, monkeypatch):
 
 
 def test_the_mixed_precision_check_fails_when_gradients_are_unscaled_twice(monkeypatch):
-    stock = P.unscale
+    stock = scaling.unscale
 
     def twice(tensors, scale, *, in_place):
         return stock(stock(tensors, scale, in_place=in_place), scale, in_place=in_place)
 
-    monkeypatch.setattr(P, "unscale", twice)
+    monkeypatch.setattr(scaling, "unscale", twice)
     with pytest.raises(checks.CheckFailed) as failed:
         checks.check_mixed_precision("cpu")
     assert "scaled run off the unscaled one" in failed.value.figure
@@ -81,10 +84,10 @@ def test_the_mixed_precision_check_fails_when_gradients_are_unscaled_twice(monke
 def test_the_mixed_precision_check_fails_when_an_overflow_does_not_restore_x_exactly(monkeypatch):
     def restore_by_subtracting(self):  # ignores the anchor copy: x + s v - s v is x only to rounding
         pending = self._pending
-        if pending is None or pending["kind"] != "perturbed" or not pending["at_ascent"]:
+        if pending is None or pending.kind is not Kind.PERTURBED or not pending.at_ascent:
             return
-        torch._foreach_add_(pending["lists"].params, pending["slopes"], alpha=-pending["scale"])
-        pending["at_ascent"] = False
+        torch._foreach_add_(pending.lists.params, pending.slopes, alpha=-pending.scale)
+        pending.at_ascent = False
 
     monkeypatch.setattr(SharpnessAware, "restore", restore_by_subtracting)
     with pytest.raises(checks.CheckFailed) as failed:

@@ -94,7 +94,7 @@ def _device_ok(device: str) -> None:
 # ------------------------------------------------------------------ the core's math
 
 #: dtype -> tolerance on max |x - x_ref| / (1 + |x_ref|) after every step.  float64: the core
-#: stacks the per-tensor norms of a reduction in float32 (``perturbation.reductions``), so the
+#: stacks the per-tensor norms of a reduction in float32 (``plugins.reductions.Sums``), so the
 #: ascent's scale of float64 parameters is float32-rounded: about 1e-9 after a few steps here.
 MATH_TOLERANCE = {torch.float32: 1e-5, torch.float64: 3e-8}
 MATH_STEPS, MATH_LR, MATH_RHO = 6, 0.5, 0.5

@@ -1,0 +1,85 @@
+"""Loss scaling: what a sharpness-aware step does with a ``torch.amp.GradScaler``.
+
+The step reads the scaler's scale once (:func:`loss_scale`, no host sync), unscales
+``g_t`` and ``h_t`` exactly once on the device (:func:`unscale`), and leaves the one
+overflow decision of the second pass to the scaler: ``scaler.step(opt)`` hands the
+optimizer its verdict and the scale ``.grad`` still carries as the attributes
+``found_inf`` and ``grad_scale`` (torch's protocol for optimizers that unscale
+themselves, ``_step_supports_amp_scaling``), read here by :func:`handed_verdict`.  A
+wrapper that finishes the step through another optimizer's ``step()`` (fairseq's
+``--zero-sharding os`` under ``--amp``: ``scaler.step(OSS)``) hands the verdict with
+:func:`verdict_given` (``docs/mixed_precision.md``).  Torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["loss_scale", "unscale", "handed_verdict", "drop_verdict", "verdict_given", "SCALED_STEP"]
+
+#: The refusal of a loss-scaled step finished without the scaler.
+SCALED_STEP = ("this step's gradients are scaled (perturb(scaler=...)): finish it with scaler.step(opt), "
+               "then scaler.update()")
+
+
+def loss_scale(scaler, grads: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The scaler's current scale as a 0-dim tensor on the gradients' device, read with
+    its public ``scale()`` (no host sync), or None without a scaler or with a disabled one."""
+    if scaler is None:
+        return None
+    if not (callable(getattr(scaler, "scale", None)) and callable(getattr(scaler, "is_enabled", None))
+            and callable(getattr(scaler, "step", None))):
+        raise ValueError(f"scaler must be a torch.amp.GradScaler (or torch.cuda.amp.GradScaler) or None, "
+                         f"got {scaler!r}")
+    if not scaler.is_enabled():
+        return None
+    device = grads[0].device if grads else torch.device("cpu")
+    return scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+
+
+def unscale(tensors: Sequence[torch.Tensor], scale: torch.Tensor, *, in_place: bool) -> List[torch.Tensor]:
+    """``tensors / scale`` for a loss scale held in a 0-dim tensor, on the device (no host
+    sync): in place, or as new tensors.  The reciprocal is taken in float64, as
+    ``torch.amp.GradScaler`` takes it, so a power-of-two scale unscales exactly."""
+    inverse = scale.detach().double().reciprocal().float()
+    tensors = list(tensors)
+    out = list(tensors)
+    for device in {t.device for t in tensors}:
+        index = [i for i, t in enumerate(tensors) if t.device == device]
+        group = [tensors[i] for i in index]
+        factor = inverse.to(device, non_blocking=True)
+        if in_place:
+            torch._foreach_mul_(group, factor)
+        else:
+            for i, t in zip(index, torch._foreach_mul(group, factor)):
+                out[i] = t
+    return out
+
+
+def handed_verdict(opt) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(found_inf, grad_scale)`` as ``scaler.step(opt)`` (or :func:`verdict_given`)
+    handed them to ``opt``'s ``step()``; ``(None, None)`` outside such a call."""
+    return opt.__dict__.get("found_inf"), opt.__dict__.get("grad_scale")
+
+
+def drop_verdict(opt) -> None:
+    """Forget a handed verdict.  GradScaler deletes its attributes only when ``step()``
+    returns: a ``step()`` that raises must drop them itself, or a stale ``grad_scale``
+    would multiply into the next ``scaler.step(opt)``."""
+    opt.__dict__.pop("found_inf", None)
+    opt.__dict__.pop("grad_scale", None)
+
+
+@contextlib.contextmanager
+def verdict_given(opt, found_inf: torch.Tensor, grad_scale: Optional[torch.Tensor] = None) -> Iterator[None]:
+    """Hand ``opt`` a scaler's verdict for the ``opt.step()`` that another object calls
+    inside the block (a sharding wrapper's ``step()`` under ``scaler.step(wrapper)``), as
+    ``scaler.step(opt)`` would hand it; dropped when the block ends."""
+    opt.found_inf, opt.grad_scale = found_inf, grad_scale
+    try:
+        yield
+    finally:
+        drop_verdict(opt)
