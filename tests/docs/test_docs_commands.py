@@ -39,9 +39,10 @@ import hashlib
 import os
 import re
 import shlex
-import shutil
+import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -552,16 +553,10 @@ def make_workspace(ws, repo=REPO):
 
 
 # Where the documented commands write by default in a checkout: a user's finished results
-# (runs/demo holds twenty minutes of the demo). The suite must leave them alone.
+# (runs/demo holds twenty minutes of the demo). The suite must leave them alone, and it only
+# reads them: nothing of this suite writes into the checkout, not even a stand-in (an
+# interrupted session would leave it behind, where the user's next command finds it).
 USER_RESULTS = ("runs/demo", "runs/quickstart")
-FAKE_FINISHED_RUN = {  # a finished demo and quick start, as far as their files go
-    "results.md": "| Method | test BLEU |\n|---|---|\n| VASSO | 41.07 |\n",
-    "data-bin/dict.de.txt": "der 100\ndie 90\n",
-    "raw/train.de": "der Hund schläft .\n",
-    "runs/vasso0.4/seed1/train.log": "epoch 001 | loss 5.1 | num_updates 320\ndone training in 12.0 seconds\n",
-    "runs/vasso0.4/seed1/checkpoint_last.pt": "not a real checkpoint: its bytes are what the test hashes\n",
-    "vasso/seed1/checkpoint_last.pt": "not a real checkpoint either\n",
-}
 
 
 def tree_digest(path):
@@ -586,30 +581,13 @@ def tree_digest(path):
 
 @pytest.fixture(scope="session")
 def users_results():
-    """Each of USER_RESULTS in the checkout, byte for byte the same after the whole suite as
-    before it. Where the user has none, a fake finished run stands there during the session
-    (and is removed after it), so that the check holds on a fresh clone (CI) too."""
-    made = []
-    for rel in USER_RESULTS:
-        path = os.path.join(REPO, rel)
-        if not os.path.exists(path):
-            if not os.path.exists(os.path.dirname(path)):
-                made.append(os.path.dirname(path))
-            made.append(path)
-            for name, text in FAKE_FINISHED_RUN.items():
-                os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
-                with open(os.path.join(path, name), "w", encoding="utf-8") as f:
-                    f.write(text)
+    """Each of USER_RESULTS in the checkout, read only: byte for byte the same after the whole
+    suite as before it, and absent after it where it was absent before (a fresh clone, CI)."""
     before = {rel: tree_digest(os.path.join(REPO, rel)) for rel in USER_RESULTS}
     yield before
     after = {rel: tree_digest(os.path.join(REPO, rel)) for rel in USER_RESULTS}
-    for path in reversed(made):
-        if path.endswith(tuple(USER_RESULTS)):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.isdir(path) and not os.listdir(path):
-            os.rmdir(path)
     changed = [rel for rel in USER_RESULTS if after[rel] != before[rel]]
-    assert not changed, ("the docs suite changed or removed results in the checkout (it must write only "
+    assert not changed, ("the docs suite wrote, changed or removed results in the checkout (it must write only "
                          "in its workspace): " + ", ".join(os.path.join(REPO, rel) for rel in changed))
 
 
@@ -627,12 +605,18 @@ def workspace(tmp_path_factory, request, users_results):
     needed = {need for c in selected for need in COMMANDS[c.key].needs}
     first = [c for c in DOCUMENTED if c.key in needed]
     checks = [c for c in selected if COMMANDS[c.key].kind == "check"]
-    for cmd in first + checks:
-        how = COMMANDS[cmd.key]
-        if not how.needs and not (how.domainbed and DOMAINBED is None):
-            _submit(cmd, ws)
-    yield ws
-    _POOL.shutdown(wait=True)
+    interrupt = _SIGTERM_AS_INTERRUPT()
+    try:
+        for cmd in first + checks:
+            how = COMMANDS[cmd.key]
+            if not how.needs and not (how.domainbed and DOMAINBED is None):
+                _submit(cmd, ws)
+        yield ws
+    finally:
+        # also on Ctrl-C (pytest tears the session fixtures down then): the queued commands
+        # never start, the running ones are killed with their groups
+        stop_commands()
+        interrupt.restore()
 
 
 def command_env():
@@ -693,19 +677,68 @@ _STATUS_BEFORE = []  # the repository's status when the workspace was made
 
 # Every script runs once per session, on a pool as wide as CI's machine (2 cores): the
 # check-only commands are queued at the first command test, so they run beside the others.
+# stop_commands() ends the pool: what is queued is cancelled, what runs is killed (its whole
+# process group, by id), and nothing starts after it (a worker that was about to start a
+# command finds _STOPPED set under the same lock).
 _POOL = ThreadPoolExecutor(max_workers=2)
 _DONE = {}
+_RUNNING = set()  # the commands' processes now running (each leads its own process group)
+_LOCK = threading.Lock()
+_STOPPED = threading.Event()
+
+
+def stop_commands():
+    """Cancel the queued commands and kill the running ones' process groups; returns at once
+    (the pool's threads end as soon as their command is killed)."""
+    with _LOCK:
+        _STOPPED.set()
+        running = list(_RUNNING)
+    _POOL.shutdown(wait=False, cancel_futures=True)
+    for proc in running:
+        process_group.kill_group(proc)
+    _POOL.shutdown(wait=True)
+
+
+class _SIGTERM_AS_INTERRUPT:
+    """While the workspace lives, SIGTERM (``timeout``, a CI runner) interrupts the session as
+    Ctrl-C does, so the fixtures' teardown stops the commands instead of leaving them running."""
+
+    def __init__(self):
+        self.previous = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self.previous = signal.signal(signal.SIGTERM, self._interrupt)
+
+    @staticmethod
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def restore(self):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def _run_script(script, workspace, timeout):
-    """(exit status or a timeout note, output) of ``bash -c script``; on a timeout the whole
-    process group (fairseq-train's children included) is killed, by its id."""
-    try:
-        proc = process_group.run(["bash", "-c", script], cwd=workspace, env=command_env(),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        return proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as exc:
-        return f"timeout after {timeout} s", exc.output or ""
+    """(exit status or a timeout note, output) of ``bash -c script``; on a timeout, an
+    interrupt or stop_commands() the whole process group (fairseq-train's children included)
+    is killed, by its id."""
+    with _LOCK:
+        if _STOPPED.is_set():
+            return "not run: the session was stopped", ""
+        proc = process_group.popen(["bash", "-c", script], cwd=workspace, env=command_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _RUNNING.add(proc)
+    with proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process_group.kill_group(proc)
+            return f"timeout after {timeout} s", proc.communicate()[0] or ""
+        finally:
+            process_group.kill_group(proc)  # what it left running in its group, or all of it
+            with _LOCK:
+                _RUNNING.discard(proc)
+    return proc.returncode, out
 
 
 def _submit(cmd, workspace):
@@ -882,6 +915,93 @@ def test_quick_start_runs_again(workspace):
     assert (os.stat(dict_file).st_mtime_ns, os.stat(raw_file).st_mtime_ns, tree_digest(ckpt)) == stamps
     generated = glob.glob(os.path.join(workspace, "runs", "quickstart", "vasso", "seed1", "generate-test*"))
     assert len(generated) == 2, generated
+
+
+def _processes_in(folder):
+    """{pid: command line} of the processes whose working directory is in ``folder``."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found_cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone, a zombie, or another user's
+            continue
+        if cwd == folder or cwd.startswith(folder + os.sep):
+            found[int(pid)] = found_cmd
+    return found
+
+
+def _group_of(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the commands' processes in /proc")
+def test_an_interrupted_docs_suite_stops_at_once_and_leaves_the_checkout_as_it_was(tmp_path):
+    # Ctrl-C (SIGINT to the suite's process group, as a terminal sends it) while documented
+    # commands run and others wait in the queue: pytest ends within seconds (not when the
+    # running demo ends, minutes later), no command runs on after it, and `git status --ignored` of the checkout the suite ran in (a copy of
+    # this one, a git repository of its own) shows nothing new
+    repo, base, log = tmp_path / "repo", tmp_path / "basetemp", tmp_path / "suite.log"
+    copy_clone(str(repo))
+    os.symlink(_venv(), repo / ".venv")
+    git = ["git", "-C", str(repo)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+
+    def status():
+        return subprocess.run(git + ["status", "--ignored", "--porcelain", "--untracked-files=all"],
+                              capture_output=True, text=True, check=True).stdout
+    before = status()
+    # a plot of the demo's runs: the (tiny) demo, minutes long, is queued first, then four
+    # checks, on the pool of two; the suite is interrupted while the demo runs
+    plot = next(c for c in DOCUMENTED if COMMANDS.get(c.key, run()).needs == (DEMO,))
+    checks = [c for c in DOCUMENTED if c.key in COMMANDS and COMMANDS[c.key].kind == "check"
+              and not COMMANDS[c.key].domainbed][:4]
+    nodes = [f"tests/docs/test_docs_commands.py::test_documented_command[{c.at}]" for c in checks + [plot]]
+    env = {k: v for k, v in os.environ.items() if k not in ("DOMAINBED_ROOT", "PYTEST_ADDOPTS")}
+    env.update(PYTHONPATH=str(repo), PYTHONDONTWRITEBYTECODE="1")
+    with open(log, "w") as out:
+        suite = process_group.popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     f"--basetemp={base}", *nodes], cwd=repo, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+    left = {}
+    try:
+        running, own = {}, None
+        while not running and suite.poll() is None:  # until a documented command runs
+            threading.Event().wait(0.05)
+            found = _processes_in(str(base))
+            own = found.get(suite.pid, own)
+            # a command leads a process group of its own (a child still between fork and exec
+            # shows the suite's command line)
+            running = {pid: cmd for pid, cmd in found.items() if pid != suite.pid and cmd != own
+                       and _group_of(pid) == pid and "scripts/demo.py" in cmd}
+        assert running, f"the suite ended before the demo ran:\n{log.read_text()[-3000:]}"
+        os.killpg(suite.pid, signal.SIGINT)
+        try:
+            suite.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the suite ran on for 30 s after Ctrl-C:\n{log.read_text()[-3000:]}")
+        for _ in range(50):  # SIGKILL is delivered at once, but not synchronously
+            left = _processes_in(str(base))
+            if not left:
+                break
+            suite.poll()
+            threading.Event().wait(0.1)
+        assert not left, f"commands ran on after the suite stopped: {left}"
+        assert "KeyboardInterrupt" in log.read_text(), log.read_text()[-3000:]  # stopped mid-way
+        assert status() == before, f"git status --ignored changed:\n{before}\n---\n{status()}"
+    finally:
+        process_group.kill_group(suite)
+        suite.wait()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_no_documented_command_uses_sudo():
