@@ -917,6 +917,19 @@ def test_quick_start_runs_again(workspace):
     assert len(generated) == 2, generated
 
 
+def test_the_distributed_example_warns_of_nothing_and_refuses_a_used_out_once(workspace):
+    # docs/distributed.md's command: its run prints no warning of torch's about reading a tensor
+    # that requires grad; run again into the same --out, it is refused once (by rank 0, before
+    # any process group exists), and no rank starts work
+    cmd = next(c for c in DOCUMENTED if c.key == DIST_EXAMPLE)
+    _, rc, out = execute(cmd, workspace)
+    assert rc == 0 and "identical" in out, out[-3000:]
+    assert "requires_grad=True to a scalar" not in out and "Warning" not in out, out[-3000:]
+    rc, again = _run_script(as_run(cmd, COMMANDS[cmd.key]), workspace, 300)
+    assert rc != 0 and again.count("exists and is not empty") == 1, again[-3000:]
+    assert "ddp " not in again and 'distributed_example.py", line' not in again, again[-3000:]  # no work, no traceback of ours
+
+
 def _processes_in(folder):
     """{pid: command line} of the processes whose working directory is in ``folder``."""
     found = {}
