@@ -115,7 +115,7 @@ def load(setup, model, opt, path):
 
 
 def full_weights(model):
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
 
 
 def one_process(data):
@@ -153,9 +153,18 @@ def run(setup, data, save_at, out):
     return losses, two_pass, error, resume_gap
 
 
+class _Parser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the same command line: rank 0 alone prints a refusal
+    (once, before any process group exists), and every rank exits with argparse's status 2."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") != "0":
+            self.exit(2)
+        super().error(message)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for the checkpoints (must not exist, or be empty)")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     parser.add_argument("--save-at", type=int, default=4, help="the step after which the checkpoint is taken")
@@ -185,6 +194,10 @@ def main(argv=None):
             # every rank holds the full weights here, so every rank decides alike
             if not (math.isfinite(error) and error < 1e-5 and resume_gap < 1e-5):
                 return 1
+        # no collective in flight at exit: gloo's barrier waits for this rank's earlier work (the
+        # optimizer's loss-gap all_reduce); one completing while the interpreter finalizes aborts
+        # the rank ("terminate called without an active exception", docs/distributed.md)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

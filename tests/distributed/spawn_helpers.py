@@ -78,6 +78,10 @@ def _main(target, rank, world, port, tmp):
         module, name = target.split(":")
         result = getattr(importlib.import_module(module), name)(*args)
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        # no collective in flight at exit: gloo's barrier waits for this rank's earlier work
+        # (an optimizer's async loss-gap all_reduce nobody read), whose completion on a gloo
+        # thread after the interpreter began to finalize aborts the process (issue 34)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -15,7 +15,8 @@ save and resume as legacy_ddp does.  Where a GPU is, the same against legacy_ddp
 adam beside (2 ranks where 2 GPUs are, else 1; never run on this project's machines, which
 have no GPU).
 
-All 2-rank CPU runs of the module start at once (one fixture) and are compared afterwards."""
+The 2-rank CPU runs of the module run side by side (one fixture, at most two ranks per core at
+once: ``side_by_side``) and are compared afterwards."""
 
 import pytest
 
@@ -30,6 +31,7 @@ except ImportError as exc:
     pytest.skip(f"fairscale is not importable ({exc}): fairseq's sharding modes need it; "
                 "pip install 'vasso-plugins[sharding]' (fairscale==0.4.13)", allow_module_level=True)
 
+import functools
 import math
 import os
 import signal
@@ -146,6 +148,29 @@ class _Run:
         return [json.loads(m.group(1)) for m in found if m]
 
 
+def side_by_side(starts, world):
+    """The finished runs of ``starts`` (callables that start one ``_Run`` each), in order,
+    started as earlier ones finish so that at most two ranks per core run at once (at
+    least one run): a loaded machine then gives the verdict an idle one gives."""
+    width = max(1, 2 * (os.cpu_count() or 1) // world)
+    running, finished = [], []
+    try:
+        for start in starts:
+            if len(running) == width:
+                finished.append(running.pop(0).wait())
+            running.append(start())
+        while running:
+            finished.append(running[0].wait())
+            running.pop(0)
+    finally:  # a failure or an interrupt: the runs still going are stopped, each rank's group by id
+        for run in running:
+            for p in run.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    return finished
+
+
 VASSO = ["--update-freq", "2", "--clip-norm", "0.5", "--theta", "0.4", "--load-checkpoint-on-all-dp-ranks"]
 OVERFLOWS = ["--fp16-init-scale", "65536"]  # overflows for real (conftest's CPU patches)
 CASES = {
@@ -188,15 +213,17 @@ def runs(toy_data, tmp_path_factory):
         return _Run(fs, toy_data, root, f"{name}-{backend}", opt, max_update, extra, driver, half=name in HALF,
                     cpu_fsdp=backend == "fsdp")
 
-    started = [start(name, backend, 3) for name in CASES for backend in ("legacy", "os")]
-    started += [start(name, "fsdp", 3) for name in FSDP_CASES] + [start("sam", "legacy", 3)]
-    done = {run.dir.name: run.wait() for run in started}
+    first = [(name, backend) for name in CASES for backend in ("legacy", "os")]
+    first += [(name, "fsdp") for name in FSDP_CASES] + [("sam", "legacy")]
+    done = {run.dir.name: run for run in side_by_side(
+        [functools.partial(start, name, backend, 3) for name, backend in first], world=2)}
     for name in ("vasso-legacy", "vasso-os", "vasso-fsdp"):  # what each saved after 3 updates, before it is resumed
         assert (root / name / "ckpt" / "checkpoint_last.pt").exists(), (
             f"{name} saved no checkpoint:\n" + done[name].out[0][-3000:] + done[name].out[1][-2000:])
         done[name].saved = torch.load(root / name / "ckpt" / "checkpoint_last.pt", weights_only=True)
-    resumed = [start("vasso", backend, 6) for backend in ("legacy", "os", "fsdp")]
-    done.update({run.dir.name + "-resumed": run.wait() for run in resumed})
+    resumed = side_by_side([functools.partial(start, "vasso", backend, 6) for backend in ("legacy", "os", "fsdp")],
+                           world=2)
+    done.update({run.dir.name + "-resumed": run for run in resumed})
     return done
 
 
@@ -411,20 +438,24 @@ def gpu_runs(toy_data, tmp_path_factory):
     driver.write_text(DRIVER)
 
     def run(name, optimizer, extra, max_update):
-        return _Run(fs, toy_data, root, name, optimizer, max_update, extra, driver, world=world, gpu=True).wait()
+        return functools.partial(_Run, fs, toy_data, root, name, optimizer, max_update, extra, driver, world=world,
+                                 gpu=True)
 
-    done = {"world": world}
-    for name, (optimizer, extra) in GPU_CASES.items():  # one run at a time: the GPUs are shared
-        done[f"{name}-legacy"] = run(f"{name}-legacy", optimizer, LEGACY + extra, 3)
-        done[f"{name}-fsdp"] = run(f"{name}-fsdp", optimizer, FSDP + extra, 3)
+    # the runs of a stage side by side (tiny models: they share the GPUs), the resumed ones after
+    first = {f"{name}-{backend}": (optimizer, flags + extra)
+             for name, (optimizer, extra) in GPU_CASES.items() for backend, flags in (("legacy", LEGACY),
+                                                                                       ("fsdp", FSDP))}
     # the optimizer state in one file (fairscale consolidates it on rank 0), and one file per rank
-    done["vasso-sharded"] = run("vasso-sharded", "vasso", FSDP + VASSO + ["--use-sharded-state"], 3)
+    first["vasso-sharded"] = ("vasso", FSDP + VASSO + ["--use-sharded-state"])
+    done = {"world": world}
+    done.update(zip(first, side_by_side([run(name, opt, extra, 3) for name, (opt, extra) in first.items()], world)))
     for name in ("vasso-legacy", "vasso-fsdp"):
         done[name].saved = torch.load(root / name / "ckpt" / "checkpoint_last.pt", weights_only=False)
-    for name, optimizer, extra in (("vasso-legacy", "vasso", LEGACY + VASSO), ("vasso-fsdp", "vasso", FSDP + VASSO),
-                                   ("vasso-sharded", "vasso", FSDP + VASSO + ["--use-sharded-state"]),
-                                   ("adam-fsdp", "adam", FSDP + ["--load-checkpoint-on-all-dp-ranks"])):
-        done[name + "-resumed"] = run(name, optimizer, extra, 6)
+    resumed = (("vasso-legacy", "vasso", LEGACY + VASSO), ("vasso-fsdp", "vasso", FSDP + VASSO),
+               ("vasso-sharded", "vasso", FSDP + VASSO + ["--use-sharded-state"]),
+               ("adam-fsdp", "adam", FSDP + ["--load-checkpoint-on-all-dp-ranks"]))
+    done.update(zip([name + "-resumed" for name, _, _ in resumed],
+                    side_by_side([run(name, opt, extra, 6) for name, opt, extra in resumed], world)))
     return done
 
 
