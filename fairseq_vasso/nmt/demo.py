@@ -284,10 +284,13 @@ def train_one(data, job, out, args, user_dir, env, append=False):
 # fairseq-train's line for each save: "Saved checkpoint DIR/checkpoint_best.pt (epoch 5 @ 40 updates, ..."
 # (it names the first file written; checkpoint_last.pt is written in the same save)
 _SAVED_RE = re.compile(r"[Ss]aved checkpoint \S+ \(epoch \d+ @ (\d+) updates[^\n]*\n")
+# what fairseq-train logs after the save at an epoch's end, before the next epoch's first update:
+# the epoch's averages ("end of epoch N (average epoch stats below)", "| train | epoch N | ...")
+_EPOCH_END_RE = re.compile(r"(?:[^\n]*(?:end of epoch \d+|\| train \| epoch \d+ )[^\n]*\n)*")
 
 
 def resume_point(save_dir, log_path):
-    """(updates, log text up to that save) of an interrupted run that fairseq-train can resume:
+    """(updates, log text up to that save and its epoch's averages) of an interrupted run that fairseq-train can resume:
     its checkpoint_last.pt loads and its log records the save; None otherwise (no
     checkpoint yet, or one cut short while it was written)."""
     ckpt = os.path.join(save_dir, "checkpoint_last.pt")
@@ -306,7 +309,7 @@ def resume_point(save_dir, log_path):
     saves = [m for m in _SAVED_RE.finditer(text) if int(m.group(1)) == updates]
     if not updates or not saves:
         return None
-    return updates, text[:saves[-1].end()]
+    return updates, text[:_EPOCH_END_RE.match(text, saves[-1].end()).end()]
 
 
 def keep_interrupted_log(log_path):
@@ -449,8 +452,14 @@ def label_of(method):
     return nmt_common.METHODS[method].label
 
 
+# beside a per-seed value: the run was resumed from a checkpoint (stock fairseq-train does not continue a run bit
+# for bit across a resume at an epoch's end, even with its own --optimizer adam)
+RESUMED_MARK = " (resumed)"
+
+
 def summary_table(methods, seeds, results, stats):
-    """One row per method: BLEU mean ± std beside the per-seed values, then the log's diagnostics (mean ± std)."""
+    """One row per method: BLEU mean ± std beside the per-seed values (a resumed run's marked),
+    then the log's diagnostics (mean ± std)."""
     head = ["Method", "test BLEU (mean ± std)", "per seed (%s)" % ", ".join("s%d" % s for s in seeds),
             "sacreBLEU (mean ± std)"] + [c[1] for c in SUMMARY_DIAG]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
@@ -459,7 +468,8 @@ def summary_table(methods, seeds, results, stats):
         bleu = [results[method, s]["fairseq_bleu"] for s in done]
         sacre = [results[method, s]["sacrebleu"] for s in done]
         cells = [label_of(method), fmt_mean_std(bleu),
-                 ", ".join("%.2f" % results[method, s]["fairseq_bleu"] if s in done else "-" for s in seeds),
+                 ", ".join("%.2f%s" % (results[method, s]["fairseq_bleu"], RESUMED_MARK if results[method, s].get(
+                     "resumed_at") else "") if s in done else "-" for s in seeds),
                  fmt_mean_std(sacre)]
         for key, _, digits in SUMMARY_DIAG:
             cells.append(fmt_mean_std([_float(stats[method, s].get(key)) for s in done], digits))
@@ -983,9 +993,11 @@ def report(out, args, results, bleu_command):
         "text. Loss gap and stability: fairseq_vasso's log, mean over the last epoch ('-': AdamW has none). For "
         "reference only, the paper's IWSLT-14 BLEU (a far larger task): %s."
         % (args.generate_args, first["sacrebleu_signature"], paper),
-    ] + (["", "Resumed from their checkpoint_last.pt after an interruption (fairseq-train continues such a run "
-          "update for update; tests/scripts/test_demo.py checks that the numbers equal an uninterrupted run's): "
-          + "; ".join(resumed) + "."] if resumed else []) + [
+    ] + (["", "Marked%s: resumed from its checkpoint_last.pt after an interruption, as fairseq-train resumes "
+          "(%s). Stock fairseq-train does not continue a run bit for bit across such a resume (its own --optimizer "
+          "adam neither), so a resumed run's numbers can differ from an uninterrupted one's by more than "
+          "rounding; `--restart` gives the uninterrupted table." % (RESUMED_MARK, "; ".join(resumed))]
+         if resumed else []) + [
         "",
         "The BLEU columns again, by hand (vasso-bleu writes new generate-test-N folders beside these runs' "
         "and never overwrites them):",
@@ -1059,11 +1071,12 @@ def main(argv=None):
             log("stage 3/3: plots")
             plot(out, args, results, log, final=True)
     except KeyboardInterrupt as exc:
-        done = sum(os.path.exists(result_path(out, m, s)) for m in args.methods for s in args.seeds)
+        todo = jobs_of(out, args)
+        done = sum(os.path.exists(result_path(out, j.method, j.seed, j.nudged)) for j in todo)
         print("\ndemo: stopped (%s); every fairseq process it started was stopped too. %d of %d runs are finished "
-              "and kept in %s. Run the same command again to finish the rest (add --restart to start over)."
-              % (exc or "interrupted", done, len(args.methods) * len(args.seeds), args.out), file=sys.stderr,
-              flush=True)
+              "and kept in %s. Run the same command again to finish the rest: a run cut short in training resumes "
+              "from its last checkpoint (add --restart to start over)."
+              % (exc or "interrupted", done, len(todo), args.out), file=sys.stderr, flush=True)
         return 130
     me, kids = cpu_seconds()
     log("done; table in %s, plots in %s. CPU time: %.0f s (%.0f s in fairseq processes, %.0f s in this one); "
