@@ -22,15 +22,22 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    once per method and seed: ``--optimizer adam`` (AdamW), ``--optimizer sam --rho R``
    and ``--optimizer vasso --rho R --theta 0.4``: same number of updates, otherwise
    identical commands (the recipe's settings, scaled down); the corpus and its noise
-   are the same for every run, the seed is fairseq's ``--seed``;
+   are the same for every run, the seed is fairseq's ``--seed``; and the rounding control
+   (``--control``): one more run of SAM seed 1 with every initial weight one float up
+   (``fairseq_vasso.nmt.nudged_train``). Every fairseq process runs on ``--threads``
+   torch threads (1), whatever the number of cores, so the same command gives the same
+   numbers on any machine with the same torch build and CPU kind;
 4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s own loop (``fairseq_vasso.nmt.bleu.score``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
-   BLEU and sacreBLEU) and prints the table: mean ± std per method beside the per-seed
-   values, the last and best valid loss, fairseq_vasso's loss gap and stability, and
-   whether the differences between methods exceed the spread over seeds; then a
-   per-run table of the training diagnostics, and the ``vasso-bleu`` command that gives
-   the same BLEU columns when run by hand;
+   BLEU and sacreBLEU) and prints, led by what 3 seeds can show (the stability
+   result), the table: mean ± std per method beside the per-seed values, the last and
+   best valid loss, fairseq_vasso's loss gap and stability; the rounding control's band
+   beside the seed spread; for each pair of methods the difference on BLEU and on
+   stability with the p-value of an exact permutation test over seeds
+   (``plugins.lab.stats``), and what 3 seeds cannot show; then a per-run table of the
+   training diagnostics, and the ``vasso-bleu`` command that gives the same BLEU
+   columns when run by hand. The same numbers go to ``results.json``;
 5. plots the diagnostics (``vasso-plot``, ``plugins.lab.plot.diagnostics``: ||eps_t - eps_{t-1}|| and
    the perturbed-loss gap over updates, SAM and VASSO on the same axes, the paper's
    Fig. 4) into ``runs/demo/diagnostics.png``, and draws the paper's Fig. 3
@@ -40,14 +47,16 @@ Each run is scored as soon as it is trained; its result goes to its folder
 (``runs/METHOD/seedN/result.json``) and the table (``results.md``) and plot are rewritten,
 marked partial until every run is done. Interrupted (Ctrl-C or SIGTERM: every fairseq
 process stops with it), the same command finishes what is left: the corpus and the
-finished runs are kept, an unfinished run starts again from its beginning, so the table
-is the one an uninterrupted demo gives. ``--out`` records the settings (``demo.json``);
+finished runs are kept, a run cut short in training resumes from its checkpoint_last.pt
+as fairseq-train resumes (its logs kept; the table marks it, since fairseq-train does not
+continue bit for bit across a resume), one cut short before its first checkpoint starts
+again. ``--out`` records the settings (``demo.json``);
 other settings there are refused, and ``--restart`` removes the folder and starts over.
 
 Every few seconds it prints where each running job is, the elapsed time and an
 estimate of what remains; at the end, the CPU time used, which on a shared machine
 says more than the wall time (on 2 idle cores the demo takes about CPU time / 2).
-Runs go two at a time (``--jobs``, one thread each), the two-pass runs first, so both
+Runs go two at a time (``--jobs``), the two-pass runs first, so both
 cores stay busy to the end. Runs are judged by their logs: a fairseq-train that logged
 "done training" is a success even where the process aborts at exit.
 """
@@ -118,6 +127,14 @@ def quiet_children_env(env=None):
     env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), rule]))
     env["TQDM_DISABLE"] = "1"
     return env
+
+
+def child_env(threads, env=None):
+    """The environment of every process the demo starts (fairseq-train, fairseq-generate):
+    ``threads`` torch threads, whatever the number of cores (torch splits its sums by
+    thread, so the count decides the rounding), and quiet_children_env's filters."""
+    return quiet_children_env(dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads),
+                                   MKL_NUM_THREADS=str(threads)))
 
 
 def check_dependencies():
@@ -242,8 +259,9 @@ def open_out(out, args, log):
                     "finish it, give another --out, or add --restart to remove it and start over"
                     % (out, "; ".join("%s %s there, %s here" % (flag(k), _shown(recorded.get(k)), _shown(settings[k]))
                                       for k in differ)))
-        done = [(m, s) for m in args.methods for s in args.seeds if os.path.exists(result_path(out, m, s))]
-        log("resuming %s: %d of %d runs finished before, kept" % (out, len(done), len(args.methods) * len(args.seeds)))
+        todo = jobs_of(out, args)
+        done = [j for j in todo if os.path.exists(result_path(out, j.method, j.seed, j.nudged))]
+        log("resuming %s: %d of %d runs finished before, kept" % (out, len(done), len(todo)))
         return len(done)
     os.makedirs(out, exist_ok=True)
     write_json(manifest, {"settings": settings})
@@ -675,7 +693,7 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
     n_runs = len(todo)
     jobs = min(args.jobs, n_runs)
     threads = args.threads
-    env = quiet_children_env(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)))
+    env = child_env(threads)
     results = {key_of(job): read_json(result_path(out, job.method, job.seed, job.nudged)) for job in todo}
     results = {key: r for key, r in results.items() if r is not None}
     ckpt_name = "checkpoint_%s.pt" % args.checkpoint
