@@ -698,6 +698,7 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
     results = {key: r for key, r in results.items() if r is not None}
     ckpt_name = "checkpoint_%s.pt" % args.checkpoint
     cpu = True if args.cpu else None
+    code = provenance()  # of the code these runs start with (each fairseq process imports it as it starts)
     control = ("; and the rounding control: %s seed %d again, every initial weight %d float up"
                % (args.control, args.seeds[0], CONTROL_ULPS)) if args.control != "none" else ""
     log("stage 2/3: training %d runs (%s x seeds %s%s), %d updates each, %d at once, %d thread(s) each; each "
@@ -753,7 +754,7 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
                               cpu=cpu, ref_file=ref_file, extra=shlex.split(args.generate_args), jobs=1, env=env,
                               threads=threads, say=log, batch_progress=False)
         r.update(nudged_ulps=CONTROL_ULPS if job.nudged else 0,
-                 resumed_at=read_json(os.path.join(save_dir, "resumed.json")) or [], **provenance())
+                 resumed_at=read_json(os.path.join(save_dir, "resumed.json")) or [], **code)
         write_json(result_path(out, job.method, job.seed, job.nudged), r)
         return ok, note, time.time() - start, r
 
