@@ -6,8 +6,8 @@ square root after. That changed the demo's weights by one float32 rounding after
 update, and its BLEU table by up to 0.4 after 320 (issue 34), and no test noticed: the
 bit-for-bit pins of tests/core/test_state_dict.py use a model of 4 small tensors whose norm
 reduces in one part, where the old float32 combination and the float64 one give the same
-number. This model's norms reduce over 14 tensors of varied sizes (1 to 1,600 elements;
-the demo's transformer has 11 or more), and the test first checks that the two
+number. This model's norms reduce in 12 parts, over 26 tensors of 1 to 65,536 elements
+(the demo's transformer's in 11 or more), and the test first checks that the two
 combinations differ on its gradients, so that the pins below see such a change.
 
 If this test fails after a change of the core, the change moved the numerics. If that is
@@ -38,13 +38,13 @@ PINNED_TORCH = "2.14.1"
 # computed 2026-11-27 at commit e7c2098 (the core of d4fcd2c), torch 2.14.1+cu130, AMD EPYC (AVX512)
 PINS = {
     "AVX512": {
-        "SAM-AdamW": ("37db784cbbcad8b6630334bc8343185e7175fdd417580ea5d8985b718ffe3f0d",
-                      ["0x1.ef77a60000000p+0", "0x1.fea5780000000p+0", "0x1.06f7f60000000p+1", "0x1.063bdc0000000p+1",
-                       "0x1.ef56c20000000p+0", "0x1.ea9be80000000p+0", "0x1.0cf9320000000p+1", "0x1.e1733e0000000p+0"]),
-        "VASSO-AdamW": ("e32301d2146f3033e2c8086dde4db05e3ce434e29949edab359b62ba51749480",
-                        ["0x1.ef77a60000000p+0", "0x1.fea5780000000p+0", "0x1.07a9920000000p+1",
-                         "0x1.061a320000000p+1", "0x1.f0f3120000000p+0", "0x1.ebbae60000000p+0",
-                         "0x1.0e284a0000000p+1", "0x1.dfd8260000000p+0"]),
+        "SAM-AdamW": ("595772621c5c9c257e123d7093fb75e40546a6fb6e15fb218dabe6e35ee44805",
+                      ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.29442a0000000p+2", "0x1.3143ca0000000p+2",
+                       "0x1.1d71e80000000p+2", "0x1.7b79200000000p+1", "0x1.2a008c0000000p+1", "0x1.4eaa720000000p+1"]),
+        "VASSO-AdamW": ("79c0304039a7e3dc811689b85435acd1fc96f3dce818612a6211e405be9c7164",
+                        ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.0dc9740000000p+2",
+                         "0x1.f427a00000000p+1", "0x1.f5384c0000000p+1", "0x1.828f380000000p+1",
+                         "0x1.17a8840000000p+2", "0x1.b36ff40000000p+1"]),
     },
 }
 STEPS = 8
@@ -55,27 +55,30 @@ def capability():
     return get() if get else "unknown"
 
 
+# the widths of ManyParts' hidden layers: each weight has 32,768 to 65,536 elements, so that
+# the core's norms reduce it alone (plugins.perturbation.chunk_plan)
+WIDTHS = [128, 256, 192, 256, 160, 256, 224, 256, 192, 256, 256]
+
+
 class ManyParts(torch.nn.Module):
-    """Token ids -> mean-pooled embedding -> 3 hidden layers with LayerNorm -> 7 classes, and a
-    learned output temperature: 14 parameter tensors of 1 to 1,600 elements."""
+    """Token ids -> mean-pooled embedding -> 10 tanh layers of varied widths -> LayerNorm -> 7
+    classes, and a learned output temperature: 26 parameter tensors of 1 to 65,536 elements,
+    whose norms the core reduces in 12 parts (11 large tensors alone, the small ones together),
+    as the demo's transformer's in 11 or more."""
 
     def __init__(self):
         super().__init__()
-        self.embed = torch.nn.Embedding(50, 24)
-        self.inp = torch.nn.Linear(24, 40)
-        self.norm1 = torch.nn.LayerNorm(40)
-        self.hidden = torch.nn.Linear(40, 40)
-        self.norm2 = torch.nn.LayerNorm(40)
-        self.hidden2 = torch.nn.Linear(40, 40)
-        self.out = torch.nn.Linear(40, 7)
+        self.embed = torch.nn.Embedding(300, WIDTHS[0])
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
+        self.norm = torch.nn.LayerNorm(WIDTHS[-1])
+        self.out = torch.nn.Linear(WIDTHS[-1], 7)
         self.temperature = torch.nn.Parameter(torch.ones(()))
 
     def forward(self, ids):
         h = self.embed(ids).mean(1)
-        h = torch.tanh(self.norm1(self.inp(h)))
-        h = torch.tanh(self.norm2(self.hidden(h)))
-        h = torch.tanh(self.hidden2(h))
-        return self.out(h) * self.temperature
+        for layer in self.hidden:
+            h = torch.tanh(layer(h))
+        return self.out(self.norm(h)) * self.temperature
 
 
 CASES = {
@@ -87,7 +90,7 @@ CASES = {
 
 def batches(n=STEPS):
     g = torch.Generator().manual_seed(34)
-    return [(torch.randint(0, 50, (16, 5), generator=g), torch.randint(0, 7, (16,), generator=g)) for _ in range(n)]
+    return [(torch.randint(0, 300, (16, 5), generator=g), torch.randint(0, 7, (16,), generator=g)) for _ in range(n)]
 
 
 def trajectory(case):
@@ -115,20 +118,25 @@ def trajectory(case):
 
 
 def test_the_model_tells_the_two_combinations_of_a_norm_apart():
-    # what 4a542cc changed: per-tensor sums of squares combined in float32, or in float64 with
-    # the square root after. On one tensor both give the same number; here they must not all
+    # what 4a542cc changed: the norm of the parts the core reduces (plugins.perturbation.chunk_plan:
+    # a large tensor alone, small ones flattened together) combined in float32, or in float64 with
+    # the square root after. For one part both give the same number; here they must not always
     # agree, or the pins could not see such a change.
+    from plugins.perturbation import chunk_plan
+
     torch.manual_seed(0)
     model = ManyParts()
     params = list(model.parameters())
-    assert len(params) == 14 and len({q.numel() for q in params}) >= 5
+    plan = chunk_plan(params)
+    assert len(params) == 26 and len({q.numel() for q in params}) >= 8 and len(plan) >= 12
     differ = 0
     for ids, y in batches():
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(ids), y).backward()
-        parts = [q.grad.pow(2).sum() for q in params]
-        in_float32 = torch.stack(parts).sum().sqrt()
-        in_float64 = torch.stack(parts).double().sum().sqrt().float()
+        parts = torch.stack([torch.linalg.vector_norm(torch.cat([params[i].grad.reshape(-1) for i in group]))
+                             for group in plan])
+        in_float32 = parts.square().sum().sqrt()
+        in_float64 = parts.double().square().sum().sqrt().float()
         differ += int(in_float32 != in_float64)
     assert differ >= 1
 
