@@ -294,9 +294,16 @@ def train_one(data, job, out, args, user_dir, env, append=False):
     cmd = train_command(data, job.method, job.seed, save_dir, rho=args.rho, max_epoch=0, user_dir=user_dir,
                         extra=extra, settings=settings)
     if job.nudged:  # the same fairseq-train, in a Python that nudges the initial weights first
-        cmd = [sys.executable, "-m", "fairseq_vasso.nmt.nudged_train", str(CONTROL_ULPS), "--"] + cmd[1:]
+        cmd = nudged_train_command(user_dir, CONTROL_ULPS) + cmd[1:]
     rc = nmt_common.run_logged(cmd, job.log, env=env, append=append)
     return nmt_common.judge_train(rc, job.log)
+
+
+def nudged_train_command(user_dir, ulps):
+    """The command that stands for ``fairseq-train`` in the rounding control: the user-dir's
+    own nudged_train.py, by path (it then imports the fairseq_vasso of ``user_dir``, which
+    fairseq requires of a user-dir's module)."""
+    return [sys.executable, os.path.join(os.path.abspath(user_dir), "nmt", "nudged_train.py"), str(ulps), "--"]
 
 
 # fairseq-train's line for each save: "Saved checkpoint DIR/checkpoint_best.pt (epoch 5 @ 40 updates, ..."

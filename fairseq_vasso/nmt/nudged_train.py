@@ -1,7 +1,12 @@
 """fairseq-train with every initial weight moved up by a number of units in the last place:
 the demo's rounding control (``fairseq_vasso.nmt.demo``, ``--control``).
 
-    python -m fairseq_vasso.nmt.nudged_train ULPS -- FAIRSEQ_TRAIN_ARGS...
+    python FAIRSEQ_VASSO/nmt/nudged_train.py ULPS -- FAIRSEQ_TRAIN_ARGS...
+
+(or ``python -m fairseq_vasso.nmt.nudged_train``; the demo runs it by path, from the
+folder its fairseq-train runs get as ``--user-dir``, so that the fairseq_vasso this
+child imports is that one: fairseq refuses a ``--user-dir`` whose module name is
+already imported from another folder)
 
 runs fairseq-train in this process, as the ``fairseq-train`` console script does, with one
 change: once fairseq's ``Trainer`` holds the freshly initialized model, each of its
@@ -11,9 +16,14 @@ weights over the nudged ones, so only a run's start is nudged. ``ULPS`` 0 is sto
 fairseq-train (tests/scripts/test_demo.py checks it bit for bit).
 """
 
+import os
 import sys
 
-from .recipe import child_argv
+if __name__ == "__main__" and not __package__:  # run by path: import the fairseq_vasso this file is in
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fairseq_vasso.nmt.recipe import child_argv
+else:
+    from .recipe import child_argv
 
 
 def nudge_up(parameters, ulps):

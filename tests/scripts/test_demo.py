@@ -247,18 +247,27 @@ def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_r
 
     done, _, _ = demo_run
 
+    # a folder with another fairseq_vasso, where the control runs from and which PYTHONPATH names first (as
+    # a copy of the checkout would): the child must still import the --user-dir's, or fairseq refuses it
+    decoy = tmp_path / "decoy"
+    (decoy / "fairseq_vasso").mkdir(parents=True)
+    (decoy / "fairseq_vasso" / "__init__.py").write_text("raise ImportError('the decoy fairseq_vasso')\n")
+
     def train(name, prefix):
         args = recipe.toy_train_args(os.path.join(done, "data-bin"), tmp_path / name, lr=5e-3, max_update=3, seed=1,
                                      optimizer_flags=["--optimizer", "vasso", "--rho", "0.1", "--theta", "0.4"])
         log = str(tmp_path / (name + ".log"))
-        env = demo.child_env(1, dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])))
-        rc = recipe.run_logged(prefix + args + ["--cpu", "--no-epoch-checkpoints"], log, env=env)
+        env, cwd = demo.child_env(1), None
+        if name != "stock":
+            env, cwd = dict(env, PYTHONPATH=os.pathsep.join([str(decoy), env.get("PYTHONPATH", "")])), str(decoy)
+        rc = recipe.run_logged(prefix + args + ["--cpu", "--no-epoch-checkpoints"], log, env=env, cwd=cwd)
         assert recipe.judge_train(rc, log)[0], recipe.tail(log)
         return torch.load(tmp_path / name / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
 
-    nudged = [sys.executable, "-m", "fairseq_vasso.nmt.nudged_train"]
-    stock, zero, one = (train("stock", [recipe.fairseq_bin("fairseq-train")]), train("zero", nudged + ["0", "--"]),
-                        train("one", nudged + ["1", "--"]))
+    user_dir = recipe.default_user_dir()
+    stock, zero, one = (train("stock", [recipe.fairseq_bin("fairseq-train")]),
+                        train("zero", demo.nudged_train_command(user_dir, 0)),
+                        train("one", demo.nudged_train_command(user_dir, 1)))
     assert stock.keys() == zero.keys() == one.keys() and len(stock) > 11
     assert all(torch.equal(stock[k], zero[k]) for k in stock)
     differ = [k for k in stock if not torch.equal(stock[k], one[k])]
