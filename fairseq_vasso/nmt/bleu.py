@@ -290,15 +290,16 @@ def fresh_dir(base):
 
 
 def score(data, todo, *, subset="test", beam=5, batch_size=128, user_dir=None, cpu=None, lang="en",
-          ref_file=None, extra=(), jobs=1, env=None, say=print, batch_progress=True):
+          ref_file=None, extra=(), jobs=1, env=None, threads=None, say=print, batch_progress=True):
     """Scores the checkpoints ``todo`` ([(method, seed, path)]), ``jobs`` fairseq-generate
-    processes at once with cores / jobs threads each; returns their results (dicts, with
-    method and seed) in ``todo``'s order. The one scoring loop of vasso-bleu and the demo.
+    processes at once with ``threads`` threads each (default: cores / jobs); returns their
+    results (dicts, with method and seed) in ``todo``'s order. The one scoring loop of
+    vasso-bleu and the demo (which fixes ``threads``: its numbers must not depend on the cores).
 
     ``say(line)`` gets a line per scored checkpoint (with what is left), and with
     ``batch_progress`` the per-batch progress of :func:`evaluate_checkpoint`."""
     jobs = max(1, min(jobs, len(todo)))
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    threads = str(threads or max(1, (os.cpu_count() or 1) // jobs))
     env = dict(os.environ if env is None else env, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     start, lock, done = time.time(), threading.Lock(), []
 

@@ -15,6 +15,7 @@ import process_group
 import pytest
 
 from fairseq_vasso.nmt import demo
+from plugins.lab.stats import permutation_test
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,17 +39,151 @@ def test_summary_table_mean_std_beside_per_seed_values():
     assert "per seed (s1, s2, s3)" in table.splitlines()[0]
 
 
-def test_compare_says_whether_differences_exceed_the_seed_spread():
+def _stats(stability):
+    return {(m, s): {"train_stability": str(v)} for m, per_seed in stability.items() for s, v in zip((1, 2, 3), per_seed)}
+
+
+def test_verdicts_come_from_the_exact_permutation_test_never_from_a_heuristic():
     results = _results({"adamw": [50.0, 52.0, 54.0], "sam": [55.0, 56.0, 57.0], "vasso0.4": [53.0, 56.0, 59.0]})
-    lines = demo.compare(["adamw", "sam", "vasso0.4"], [1, 2, 3], results)
-    assert len(lines) == 3
-    assert lines[0].startswith("SAM − AdamW: +4.00 BLEU (std 1.00 and 2.00 over seeds), exceeds the seed spread: "
-                               "every seed of SAM above every seed of AdamW")
-    assert lines[1].startswith("VASSO (theta=0.4) − AdamW: +4.00 BLEU") and "within the seed spread" in lines[1]
-    assert lines[2].startswith("VASSO (theta=0.4) − SAM: +0.00 BLEU") and "within the seed spread" in lines[2]
-    flipped = demo.compare(["adamw", "sam"], [1, 2, 3], _results({"adamw": [60.0, 61.0, 62.0], "sam": [1.0, 2.0, 3.0]}))
-    assert "-59.00 BLEU" in flipped[0] and "every seed of AdamW above every seed of SAM" in flipped[0]
-    assert "no seed spread" in demo.compare(["adamw", "sam"], [1], results)[0]
+    stats = _stats({"sam": [0.131, 0.135, 0.132], "vasso0.4": [0.073, 0.081, 0.078]})
+    lines = demo.compare(["adamw", "sam", "vasso0.4"], [1, 2, 3], results, stats,
+                         {"bleu": 0.38, "train_stability": 0.0012})
+    assert len(lines) == 4  # three pairs on BLEU, one on stability (AdamW has none)
+    assert lines[0] == ("SAM − AdamW: +4.00 BLEU; every seed of SAM above every seed of AdamW; p = 0.10, the smallest "
+                        "p that 3 against 3 seeds can give: complete separation, not significance at 0.05; the "
+                        "rounding control alone moved one run by 0.38.")
+    p = permutation_test([50.0, 52.0, 54.0], [53.0, 56.0, 59.0])
+    assert 0.1 < p < 1 and lines[1].startswith("VASSO (theta=0.4) − AdamW: +4.00 BLEU; the seeds of the two overlap; "
+                                                "not significant (p = %.2f)" % p)
+    assert lines[2].startswith("VASSO (theta=0.4) − SAM: +0.00 BLEU; the seeds of the two overlap; not significant "
+                               "(p = 1.00)")
+    assert lines[3] == ("VASSO (theta=0.4) − SAM: -0.0553 in stability; every seed of SAM above every seed of VASSO "
+                        "(theta=0.4); p = 0.10, the smallest p that 3 against 3 seeds can give: complete separation, "
+                        "not significance at 0.05; the rounding control alone moved one run by 0.0012.")
+    assert not any("exceed" in line for line in lines)
+    # with 5 seeds a difference can be significant
+    five = {(m, s): {"fairseq_bleu": b, "sacrebleu": b} for m, vals in (("adamw", [1, 2, 3, 4, 5]),
+                                                                         ("sam", [11, 12, 13, 14, 15]))
+            for s, b in zip(range(1, 6), vals)}
+    [line] = demo.compare(["adamw", "sam"], [1, 2, 3, 4, 5], five)
+    assert "significant at 0.05 (p = 0.008)" in line and "rounding" not in line
+    assert "no test over seeds" in demo.compare(["adamw", "sam"], [1], results)[0]
+
+
+def test_the_headline_leads_with_stability_and_says_what_bleu_cannot_show():
+    results = _results({"adamw": [11.96, 10.93, 11.32], "sam": [13.77, 11.46, 12.07], "vasso0.4": [10.93, 11.44, 10.06]})
+    stats = _stats({"sam": [0.131, 0.135, 0.132], "vasso0.4": [0.073, 0.081, 0.078]})
+    stability, bleu = demo.headline(["adamw", "sam", "vasso0.4"], [1, 2, 3], results, stats,
+                                    {"bleu": 0.38, "train_stability": 0.0012})
+    assert stability.startswith("**Stability** ‖ε_t − ε_{t−1}‖ (the paper's Fig. 4): VASSO (theta=0.4) 0.0773 ± "
+                                "0.0040 against SAM 0.1327 ± 0.0021, 0.58 times as much; every seed of VASSO "
+                                "(theta=0.4) below every seed of SAM (exact permutation test p = 0.10, the smallest 3 "
+                                "against 3 seeds allow); the rounding control moves it by 0.0012, 46 times less")
+    # SAM - VASSO is 1.62 BLEU here, and yet no test over 3 seeds can call it a difference
+    assert bleu.startswith("**Test BLEU**: no difference of mean test BLEU between methods (0.59 to 1.62) is "
+                           "significant (exact two-sided permutation test over seeds, smallest p 0.10; with 3 seeds "
+                           "against 3 no p below 0.10 is possible)")
+    assert "rounding alone (the control) moved one run by 0.38" in bleu
+    assert bleu.endswith("On this toy corpus, BLEU differences between the methods are within noise.")
+    text = demo.limits([1, 2, 3])
+    assert "all 20 ways" in text and "smallest two-sided p it can give is 0.100" in text
+    assert "no difference between two methods can be significant at 0.05" in text and "at least 4 seeds" in text
+
+
+def test_the_rounding_control_prints_its_band_beside_the_seed_spread():
+    args = demo.parse_args(["--seeds", "1", "2", "3"])
+    results = _results({"adamw": [11.0, 11.5, 12.0], "sam": [13.77, 11.46, 12.07]})
+    results["sam", 1, "control"] = {"fairseq_bleu": 14.15, "sacrebleu": 14.0}
+    stats = {("sam", s): {"valid_loss": str(v), "train_loss_gap": "0.1", "train_stability": str(t)}
+             for s, v, t in ((1, 3.222, 0.1309), (2, 3.289, 0.1348), (3, 3.274, 0.1320))}
+    stats["sam", 1, "control"] = {"valid_loss": "3.230", "train_loss_gap": "0.1", "train_stability": "0.1311"}
+    table, bands = demo.rounding_control(args, results, stats)
+    rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip("|").split("|")][1:] for l in table.splitlines()[2:]}
+    assert rows["SAM s1"] == ["13.77", "12.77", "3.222", "0.1000", "0.1309"]
+    assert rows["SAM s1, every initial weight 1 float up"] == ["14.15", "14.00", "3.230", "0.1000", "0.1311"]
+    assert rows["**rounding band** (difference)"] == ["0.38", "1.23", "0.008", "0.0000", "0.0002"]
+    assert rows["seed spread (std of SAM over seeds 1, 2, 3)"][0] == "1.20"
+    assert bands["bleu"] == pytest.approx(0.38) and bands["train_stability"] == pytest.approx(0.0002)
+    # nothing until both runs are scored, nothing with --control none
+    del results["sam", 1, "control"]
+    assert demo.rounding_control(args, results, stats) == ("", {})
+    assert demo.rounding_control(demo.parse_args(["--control", "none"]), results, stats) == ("", {})
+
+
+def test_help_prints_each_default_once():
+    text = demo.build_parser().format_help()
+    blocks = re.split(r"\n(?=  -)", text)
+    assert len(blocks) > 20
+    doubled = [b.split()[0] for b in blocks if b.count("(default:") > 1]
+    assert not doubled, doubled
+    assert "(default: --max-len-a 1.2 --max-len-b 10)" in " ".join(text.split())
+
+
+def test_children_get_a_fixed_thread_count_whatever_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert demo.build_parser().parse_args([]).threads == 1
+    env = demo.child_env(1, {"PATH": "/usr/bin"})
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+    # and the scoring's fairseq-generate gets the same (vasso-bleu alone: cores / jobs)
+    from fairseq_vasso.nmt import bleu
+
+    seen = []
+    monkeypatch.setattr(bleu, "evaluate_checkpoint", lambda *a, env, **kw: seen.append(env["OMP_NUM_THREADS"]) or {
+        "fairseq_bleu": 1.0, "sacrebleu": 1.0, "n": 1, "seconds": 0.0, "output": "x"})
+    bleu.score("data", [("sam", 1, "ckpt")], env=env, threads=1, say=lambda line: None)
+    bleu.score("data", [("sam", 1, "ckpt")], env=env, say=lambda line: None)
+    assert seen == ["1", "64"]
+
+
+def test_control_must_be_one_of_the_methods(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--methods", "adamw", "vasso0.4", "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and "--control: must be one of --methods (adamw, vasso0.4) or 'none'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def _save_line(save_dir, epoch, updates):
+    return ("2026-11-27 | INFO | fairseq.checkpoint_utils | Saved checkpoint %s/checkpoint_best.pt (epoch %d @ %d "
+            "updates, score 7.6) (writing took 0.07 seconds)\n" % (save_dir, epoch, updates))
+
+
+def test_resume_point_is_the_checkpoint_and_its_log_up_to_that_save(tmp_path):
+    import torch
+
+    log = tmp_path / "train.log"
+    head = ("+ fairseq-train ...\nepoch 001:  10 / 12 loss=9.1, num_updates=10\n" + _save_line(tmp_path, 1, 12)
+            + "2026 | INFO | fairseq_cli.train | end of epoch 1 (average epoch stats below)\n"
+            "2026 | INFO | train | epoch 001 | loss 8.089 | num_updates 12 | wall 8\n")
+    log.write_text(head + "2026 | INFO | fairseq.tasks.fairseq_task | can_reuse_epoch_itr = True\n"
+                   "epoch 002:  10 / 12 loss=7.0, num_updates=20\n")
+    assert demo.resume_point(str(tmp_path), str(log)) is None  # no checkpoint yet
+    torch.save({"optimizer_history": [{"num_updates": 12}]}, tmp_path / "checkpoint_last.pt")
+    assert demo.resume_point(str(tmp_path), str(log)) == (12, head)
+    # a checkpoint whose save the log does not show, or one cut short while written: from the start
+    torch.save({"optimizer_history": [{"num_updates": 24}]}, tmp_path / "checkpoint_last.pt")
+    assert demo.resume_point(str(tmp_path), str(log)) is None
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"PK\x03\x04 cut short")
+    assert demo.resume_point(str(tmp_path), str(log)) is None
+
+
+def test_nudge_up_moves_every_weight_one_float_and_a_shared_one_once():
+    import torch
+
+    from fairseq_vasso.nmt.nudged_train import nudge_up
+
+    emb = torch.nn.Embedding(5, 3)
+    out = torch.nn.Linear(3, 5, bias=True)
+    out.weight = emb.weight  # tied, as --share-decoder-input-output-embed
+    torch.nn.init.zeros_(out.bias)
+    model = torch.nn.ModuleList([emb, out])
+    before = [q.detach().clone() for q in model.parameters()]
+    assert len(before) == 2
+    nudge_up(model.parameters(), 1)
+    for q, b in zip(model.parameters(), before):
+        assert torch.equal(q, torch.nextafter(b, torch.full_like(b, float("inf"))))
+    nudge_up(model.parameters(), 0)
+    assert torch.equal(out.bias, torch.full((5,), torch.finfo(torch.float32).smallest_normal * 2.0 ** -23))
 
 
 def test_updates_done_reads_the_last_num_updates(tmp_path):
@@ -103,45 +238,79 @@ def test_bad_arguments_name_the_flag_before_any_work(argv, flag, capsys, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def _table(out):
-    """results.md without what differs between two folders of the same demo: the vasso-bleu
-    command (its paths) and the wall-clock column."""
-    with open(os.path.join(out, "results.md"), encoding="utf-8") as f:
-        text = f.read()
-    text = re.sub(r"^    .*vasso-bleu .*$", "    VASSO-BLEU COMMAND", text, flags=re.M)
-    return re.sub(r"\| [0-9.]+ \|$", "| WALL |", text, flags=re.M)
+def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_run, tmp_path):
+    # the rounding control runs fairseq-train in-process (fairseq_vasso.nmt.nudged_train): with 0 ulps
+    # it must be stock fairseq-train bit for bit, so that the control differs from its run by the nudge alone
+    import torch
+
+    from fairseq_vasso.nmt import recipe
+
+    done, _, _ = demo_run
+
+    # a folder with another fairseq_vasso, where the control runs from and which PYTHONPATH names first (as
+    # a copy of the checkout would): the child must still import the --user-dir's, or fairseq refuses it
+    decoy = tmp_path / "decoy"
+    (decoy / "fairseq_vasso").mkdir(parents=True)
+    (decoy / "fairseq_vasso" / "__init__.py").write_text("raise ImportError('the decoy fairseq_vasso')\n")
+
+    def train(name, prefix):
+        args = recipe.toy_train_args(os.path.join(done, "data-bin"), tmp_path / name, lr=5e-3, max_update=3, seed=1,
+                                     optimizer_flags=["--optimizer", "vasso", "--rho", "0.1", "--theta", "0.4"])
+        log = str(tmp_path / (name + ".log"))
+        env, cwd = demo.child_env(1), None
+        if name != "stock":
+            env, cwd = dict(env, PYTHONPATH=os.pathsep.join([str(decoy), env.get("PYTHONPATH", "")])), str(decoy)
+        rc = recipe.run_logged(prefix + args + ["--cpu", "--no-epoch-checkpoints"], log, env=env, cwd=cwd)
+        assert recipe.judge_train(rc, log)[0], recipe.tail(log)
+        return torch.load(tmp_path / name / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+
+    user_dir = recipe.default_user_dir()
+    stock, zero, one = (train("stock", [recipe.fairseq_bin("fairseq-train")]),
+                        train("zero", demo.nudged_train_command(user_dir, 0)),
+                        train("one", demo.nudged_train_command(user_dir, 1)))
+    assert stock.keys() == zero.keys() == one.keys() and len(stock) > 11
+    assert all(torch.equal(stock[k], zero[k]) for k in stock)
+    differ = [k for k in stock if not torch.equal(stock[k], one[k])]
+    assert differ and max(float((stock[k] - one[k]).abs().max()) for k in stock) < 1e-3
 
 
-def _training(log):
-    """True once ``log`` is a new fairseq-train log (the partial one replaced): run_logged wrote
-    its command line and started it."""
+def _saved_mid_way(log, max_update):
+    """The updates of the last checkpoint ``log`` says fairseq-train saved, if before ``max_update`` (else None).
+    fairseq logs the save once checkpoint_last.pt is written whole."""
     try:
         text = log.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
-        return False
-    return "epoch 001: num_updates=10" not in text and text.startswith("+ ")
+        return None
+    saves = [int(m.group(1)) for m in demo._SAVED_RE.finditer(text)]
+    return saves[-1] if saves and 0 < saves[-1] < max_update - 10 else None
 
 
-def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_run, demo_args, tmp_path, capsys):
-    # demo_run's finished demo, as if it had been interrupted before its last run finished
-    # (the run's folder holds a partial log); the same command, interrupted again (SIGINT,
-    # as Ctrl-C) while that run trains, then run to its end, gives the uninterrupted table
+def test_interrupted_demo_stops_at_once_and_resumes_its_runs_from_their_checkpoints(demo_run, demo_args, tmp_path,
+                                                                                   capsys):
+    # demo_run's finished demo, as if interrupted early: VASSO seed 2 not started yet (its folder
+    # removed), AdamW seed 2 cut short before its first checkpoint (a partial log only). The same
+    # command, interrupted (SIGINT, as Ctrl-C) once VASSO seed 2 has saved a checkpoint mid-way,
+    # stops at once; run again, it resumes VASSO seed 2 from that checkpoint, as fairseq-train
+    # itself resumes (its logs kept, the table marking it), and trains AdamW seed 2 from the start
     done, _, _ = demo_run
     out = tmp_path / "demo"
     shutil.copytree(done, out)
-    os.remove(out / "results.md")
-    last = out / "runs" / "adamw" / "seed2"
-    shutil.rmtree(last)
-    last.mkdir()
-    (last / "train.log").write_text("+ fairseq-train ...\nepoch 001: num_updates=10\n")
+    for name in ("results.md", "results.json"):
+        os.remove(out / name)
+    vasso = out / "runs" / "vasso0.4" / "seed2"
+    shutil.rmtree(vasso)
+    adamw = out / "runs" / "adamw" / "seed2"
+    shutil.rmtree(adamw)
+    adamw.mkdir()
+    partial = "+ fairseq-train ...\nepoch 001: num_updates=10\n"
+    (adamw / "train.log").write_text(partial)
     cmd = [sys.executable, os.path.join(REPO, "scripts", "demo.py"), "--out", str(out), *demo_args]
     proc = process_group.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         deadline = time.time() + 600
-        while not _training(last / "train.log"):  # the run's fairseq-train has started
+        while not _saved_mid_way(vasso / "train.log", 60):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.2)
-        time.sleep(1)  # and is importing fairseq
+            time.sleep(0.1)
         stopped = time.time()
         os.kill(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=30)
@@ -149,24 +318,54 @@ def test_interrupted_demo_stops_at_once_and_the_same_command_finishes_it(demo_ru
     finally:
         process_group.kill_group(proc)
     assert proc.returncode == 130, stderr[-3000:]
-    assert "5 of 6 runs are finished" in stderr and "Run the same command again" in stderr and "--restart" in stderr
+    assert re.search(r"[56] of 7 runs are finished", stderr) and "Run the same command again" in stderr
+    assert "resumes from its last checkpoint" in stderr and "--restart" in stderr
     # no fairseq process of this demo is left (each ran in its own group, killed with the demo)
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert str(out) not in ps, ps
-    assert not (last / "result.json").exists()
-    partial = (out / "results.md").read_text(encoding="utf-8") if (out / "results.md").exists() else None
+    assert not (vasso / "result.json").exists()
+    partial_table = (out / "results.md").read_text(encoding="utf-8") if (out / "results.md").exists() else None
     # other settings are refused before any work, naming the flag and --restart
     with pytest.raises(SystemExit) as exc:
         demo.main(["--out", str(out), *demo_args, "--max-update", "61"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--max-update 60 there, 61 here" in err and "--restart" in err
-    assert not (last / "result.json").exists()
-    assert partial is None or (out / "results.md").read_text(encoding="utf-8") == partial
-    # the same command finishes the rest: the table of the uninterrupted demo
+    assert not (vasso / "result.json").exists()
+    assert partial_table is None or (out / "results.md").read_text(encoding="utf-8") == partial_table
+    # the same command finishes the rest, VASSO seed 2 from its checkpoint
+    interrupted = (vasso / "train.log").read_text(encoding="utf-8")
     again = process_group.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming" in again.stdout and "5 of 6 runs finished before, kept" in again.stdout
-    assert _table(out) == _table(done)
+    assert "resuming" in again.stdout and re.search(r"[56] of 7 runs finished before, kept", again.stdout)
+    at = int(re.search(r"vasso0\.4 s2: resuming from checkpoint_last\.pt at update (\d+)", again.stdout).group(1))
+    assert 0 < at < 50
+    # the interrupted log is kept whole; train.log is its history up to that checkpoint, then the resumed
+    # run, which loaded the checkpoint and went on from the next update
+    assert (vasso / "train.interrupted-1.log").read_text(encoding="utf-8") == interrupted
+    log = (vasso / "train.log").read_text(encoding="utf-8")
+    history, resumed = log.split("[demo] interrupted after this save; resumed from checkpoint_last.pt at update "
+                                 "%d (the interrupted log: train.interrupted-1.log)\n" % at)
+    assert interrupted.startswith(history) and "@ %d updates" % at in history
+    assert re.search(r"Loaded checkpoint \S+checkpoint_last\.pt \(epoch \d+ @ %d updates\)" % at, resumed)
+    updates = [int(n) for n in re.findall(r"num_updates[=\s]+(\d+)", resumed)]
+    assert updates and min(updates) > at and max(updates) == 60
+    assert demo.read_json(str(vasso / "result.json"))["resumed_at"] == [at]
+    # AdamW seed 2 had no checkpoint: it trained from the start, its partial log kept (then, interrupted
+    # beside VASSO seed 2, it finished, or resumed from a checkpoint of its own, or started again)
+    assert (adamw / "train.interrupted-1.log").read_text() == partial
+    # the table: the uninterrupted demo's numbers for every run trained without a resume, VASSO seed 2 marked
+    unresumed = [(m, s) for m, s in [("adamw", 1), ("adamw", 2), ("sam", 1), ("sam", 2), ("vasso0.4", 1)]
+                 if not demo.read_json(os.path.join(out, "runs", m, "seed%d" % s, "result.json"))["resumed_at"]]
+    assert len(unresumed) >= 4
+    for method, seed in unresumed:
+        a, b = (demo.read_json(os.path.join(d, "runs", method, "seed%d" % seed, "result.json")) for d in (done, out))
+        assert (a["fairseq_bleu"], a["sacrebleu"]) == (b["fairseq_bleu"], b["sacrebleu"]), (method, seed)
+    table = (out / "results.md").read_text(encoding="utf-8")
+    vasso_row = next(l for l in table.splitlines() if l.startswith("| VASSO (theta=0.4) | ") and "±" in l)
+    assert vasso_row.split(" | ")[2].endswith("(resumed)") and "(resumed)" not in vasso_row.split(" | ")[2].split(",")[0]
+    assert "Marked (resumed): resumed from its checkpoint_last.pt" in table and "VASSO (theta=0.4) s2 at update %d" % at \
+        in table
+    assert demo.read_json(str(out / "results.json"))["complete"]
 
 
 def test_out_that_holds_no_demo_is_refused_even_with_restart(tmp_path, capsys):

@@ -10,6 +10,7 @@ import statistics
 
 import process_group
 import pytest
+import torch
 
 from fairseq_vasso.nmt import bleu as eval_bleu
 
@@ -26,8 +27,7 @@ def test_demo_runs_end_to_end(demo_run):
     assert "## Per run: training diagnostics of the last epoch" in text
     summary, per_run = text.split("## Per run")
     labels = {"adamw": "AdamW", "sam": "SAM", "vasso0.4": "VASSO (theta=0.4)"}
-    rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip("|").split("|")]
-            for l in summary.splitlines() if l.startswith("| ") and not l.startswith("| Method")}
+    rows = {r[0]: r for r in summary_rows(summary)}
     assert sorted(rows) == sorted(labels.values())
     for m, label in labels.items():
         # the per-seed values are the BLEU4 lines fairseq-generate wrote for checkpoint_last.pt of each seed
@@ -40,17 +40,46 @@ def test_demo_runs_end_to_end(demo_run):
     assert rows["AdamW"][6:] == ["-", "-"]
     for label in ("SAM", "VASSO (theta=0.4)"):
         assert all(re.fullmatch(r"\d+\.\d{4} ± \d+\.\d{4}", c) for c in rows[label][6:]), rows[label]
+    # the verdicts: three pairs on BLEU, SAM and VASSO on stability, each from the permutation test
     verdicts = [l for l in summary.splitlines() if l.startswith("- ")]
-    assert len(verdicts) == 3 and all(("within the seed spread" in v) != ("exceeds the seed spread" in v)
-                                      for v in verdicts)
+    assert len(verdicts) == 4 and all(re.search(r"p = [01]\.\d\d", v) for v in verdicts), verdicts
+    assert sum(" BLEU; " in v for v in verdicts) == 3 and "in stability" in verdicts[3]
+    assert "What 2 seeds can show" in summary and "exceed" not in summary
+    # led by the stability result, then what BLEU cannot show
+    assert summary.index("**Stability**") < summary.index("**Test BLEU**") < summary.index("| Method |")
+    # the rounding control (SAM seed 1, initial weights one float up), beside the seed spread
+    control = [l for l in summary.splitlines() if l.startswith("| ") and " | " in l]
+    assert any(l.startswith("| SAM s1, every initial weight 1 float up |") for l in control)
+    assert any(l.startswith("| **rounding band** (difference) |") for l in control)
+    nudged = os.path.join(out, "control", "sam", "seed1-1ulp")
+    assert "/fairseq_vasso/nmt/nudged_train.py 1 -- " in open(os.path.join(nudged, "train.log"),
+                                                               encoding="utf-8").readline()
     run_rows = [l for l in per_run.splitlines() if l.startswith("| ") and not l.startswith("| Method")]
     assert [tuple(c.strip() for c in l.strip("|").split("|")[:2]) for l in run_rows] == [
-        (labels[m], str(s)) for m in labels for s in (1, 2)]
+        (labels[m], str(s)) for m in labels for s in (1, 2)][:2] + [
+        ("SAM", "1"), ("SAM", "1, +1 ulp (control)"), ("SAM", "2"), ("VASSO (theta=0.4)", "1"),
+        ("VASSO (theta=0.4)", "2")]
+    # beside results.md, the same numbers machine-readable
+    with open(os.path.join(out, "results.json"), encoding="utf-8") as f:
+        summary_json = json.load(f)
+    assert summary_json["complete"] and summary_json["settings"]["threads"] == 1
+    assert len(summary_json["runs"]) == 7 and sum(r["control"] for r in summary_json["runs"]) == 1
+    for r in summary_json["runs"]:
+        assert r["torch"] == torch.__version__ and r["cpu_capability"] and r["resumed_at"] == []
+        per_seed_cell = rows[labels[r["method"]]][2].split(", ")[r["seed"] - 1]
+        assert r["control"] or per_seed_cell == "%.2f" % r["fairseq_bleu"]
+    assert {t["quantity"] for t in summary_json["tests"]} == {"bleu", "train_stability"}
+    assert all(t["smallest_p"] == pytest.approx(1 / 3) for t in summary_json["tests"])
     # progress while training (per run: updates done, elapsed time, what remains) and while scoring
     assert re.search(r"\[\s*\d+ s\] training: .*(sam|vasso0\.4) s[12] \d+/60.*of the work\); about .* left for "
                      r"training, .* in all", stdout), stdout
     assert re.search(r"fairseq BLEU [0-9.]+, sacreBLEU [0-9.]+ \(40 sentences, \d+ s", stdout)
-    assert "1 of 6 runs scored, table (partial) in" in stdout and "6 of 6 runs scored, table in" in stdout
+    assert "1 of 7 runs scored, table (partial) in" in stdout and "7 of 7 runs scored, table in" in stdout
+    # the stages in order: every run scored, the table, then stage 3's plots (Fig. 4, then Fig. 3)
+    last_scored = stdout.rindex("runs scored, table in")
+    assert last_scored < stdout.index("## Toy de-en demo") < stdout.index("stage 3/3: plots") < stdout.index(
+        "diagnostics plot (stability") < stdout.index("| SNR | method |") < stdout.index("done; table in")
+    assert stdout.count("| SNR | method |") == 1
     assert "it/s]" not in stderr  # no library's tqdm bar (subword-nmt draws one over the BPE merges)
     assert "CPU time:" in stdout and "on 2 idle cores about" in stdout
     # torch's torch.jit.script FutureWarning is not printed (neither by the demo nor by fairseq in the run logs)
@@ -205,12 +234,21 @@ def test_find_runs_in_recipe_layout(tmp_path):
     assert found == [("adamw", 2), ("adamw", 10), ("vasso0.4", 2), ("other", 1)]
 
 
+def summary_rows(text):
+    """The cells of each row of the demo's summary table (the one under "| Method | test BLEU")."""
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("| Method | test BLEU"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
 def demo_columns(table_text):
     """{label: (test BLEU mean ± std, sacreBLEU mean ± std)} of the demo's summary table."""
-    summary = table_text.split("## Per run")[0]
-    rows = [[c.strip() for c in l.strip("|").split("|")] for l in summary.splitlines()
-            if l.startswith("| ") and not l.startswith("| Method")]
-    return {r[0]: (r[1], r[3]) for r in rows}
+    return {r[0]: (r[1], r[3]) for r in summary_rows(table_text.split("## Per run")[0])}
 
 
 def test_the_printed_vasso_bleu_command_reproduces_the_demo_table_without_overwriting(demo_run):
