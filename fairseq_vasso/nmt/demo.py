@@ -78,15 +78,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from fairseq_vasso._foreign_warnings import pythonwarnings
 from plugins.lab.stats import permutation_test, smallest_p
 from plugins.lab.tables import fmt_mean_std, mean_std
 
 DEMO_METHODS = ["adamw", "sam", "vasso0.4"]
-# torch's, printed by every process that imports fairseq (fairseq decorates functions with
-# torch.jit.script): not ours and nothing a demo user can act on. Importing fairseq_vasso
-# (before fairseq) silences it in this process; the fairseq processes the demo starts get
-# the same filter through PYTHONWARNINGS, since they import fairseq before the user-dir.
-TORCH_JIT_WARNING = "`torch.jit.script` is deprecated"
 
 
 def tiny_model(embed_dim=128, layers=2, lr=2e-3, warmup=200, dropout=0.1):
@@ -120,11 +116,11 @@ def passes(method):
 
 
 def quiet_children_env(env=None):
-    """env (default os.environ) with the torch.jit.script FutureWarning filtered in child
-    Pythons, and tqdm's progress bars off (TQDM_DISABLE) in whatever library they call."""
+    """env (default os.environ) with the FutureWarnings of fairseq's own import filtered in
+    child Pythons (they import fairseq before any user-dir: fairseq_vasso._foreign_warnings),
+    and tqdm's progress bars off (TQDM_DISABLE) in whatever library they call."""
     env = dict(os.environ if env is None else env)
-    rule = "ignore:%s:FutureWarning" % TORCH_JIT_WARNING
-    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), rule]))
+    env["PYTHONWARNINGS"] = pythonwarnings(env.get("PYTHONWARNINGS"))
     env["TQDM_DISABLE"] = "1"
     return env
 

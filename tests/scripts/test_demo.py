@@ -217,11 +217,13 @@ def test_progress_estimates_remaining_work_in_passes(tmp_path, monkeypatch):
 
 
 def test_children_get_the_torch_jit_filter_and_keep_other_warnings():
+    from fairseq_vasso._foreign_warnings import AT_FAIRSEQ_IMPORT
+
     env = demo.quiet_children_env({"PYTHONWARNINGS": "error::DeprecationWarning", "PATH": "/usr/bin"})
     assert env["PYTHONWARNINGS"].startswith("error::DeprecationWarning,ignore:")
     code = ("import warnings\n"
             "warnings.warn(%r + '. Please switch to torch.compile or torch.export.', FutureWarning)\n"
-            "warnings.warn('rho is large', FutureWarning)\n" % demo.TORCH_JIT_WARNING)
+            "warnings.warn('rho is large', FutureWarning)\n" % AT_FAIRSEQ_IMPORT[0])
     env.pop("PYTHONWARNINGS")
     err = subprocess.run([sys.executable, "-c", code], env=demo.quiet_children_env(env), stderr=subprocess.PIPE,
                          text=True).stderr

@@ -40,7 +40,7 @@ from ..selftest.reference import MEMBERS
 from ..tables import markdown_table
 from . import anchors
 from .models import BASE_KW, RHO, THETA
-from .timing import median, quartiles
+from .timing import median, quartiles, spread_verdict
 
 #: the fewest interleaved rounds a verdict is given on (and the least ``--rounds`` on a GPU)
 MIN_ROUNDS = 30
@@ -362,16 +362,7 @@ def verdict(ratios: Sequence[float], limit: float, strict: bool = False, min_rou
     xs = [x for x in ratios if math.isfinite(x)]
     if len(xs) < min_rounds:
         return f"no verdict: {len(xs)} rounds < {min_rounds}"
-    q1, q3 = quartiles(xs)
-
-    def meets(x):
-        return x < limit if strict else x <= limit
-
-    if meets(q3):
-        return "PASS"
-    if not meets(q1):
-        return "MISS"
-    return "too noisy"
+    return {"meets": "PASS", "misses": "MISS"}.get(spread_verdict(xs, limit, strict), "too noisy")
 
 
 def goal_rows(results: Dict[str, Any]) -> List[List[str]]:

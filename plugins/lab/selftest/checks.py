@@ -400,16 +400,9 @@ def cost_verdict(ratios: List[float], limit: float = COST_LIMIT) -> str:
     """``"pass"`` when the interquartile range of the paired ratios lies wholly at or below
     ``limit``, ``"FAIL"`` when wholly above it, else ``"too noisy"``: on a shared or busy
     machine the repeats scatter across the limit, and a verdict would be chance."""
-    from plugins.lab.bench.timing import quartiles
+    from plugins.lab.bench.timing import spread_verdict
 
-    q1, q3 = quartiles(ratios)
-    if not (math.isfinite(q1) and math.isfinite(q3)):
-        return "FAIL"
-    if q3 <= limit:
-        return "pass"
-    if q1 > limit:
-        return "FAIL"
-    return "too noisy"
+    return {"meets": "pass", "misses": "FAIL"}.get(spread_verdict(ratios, limit), "too noisy")
 
 
 def check_cost(device: str, reps: int = 8, block: int = 2, warmup: int = 2) -> Figure:
