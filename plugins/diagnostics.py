@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -23,6 +23,7 @@ from . import reductions
 __all__ = ["Diagnostics", "empty", "Deferred", "loss_gap", "as_float", "of_ascent", "stability"]
 
 _NAN = float("nan")
+_LATER = object()  # a value Diagnostics.later() computes when read
 
 
 def as_float(x) -> float:
@@ -39,11 +40,33 @@ class Diagnostics(MutableMapping):
     keeps that step's values.
     """
 
-    __slots__ = ("_values", "_works")
+    __slots__ = ("_values", "_works", "_later")
 
     def __init__(self, values: Optional[Dict[str, Any]] = None):
         self._values: Dict[str, Any] = dict(values or {})
         self._works: List[Any] = []
+        self._later: List[tuple] = []  # (keys, function): values computed only when read
+
+    def later(self, keys: Sequence[str], compute: Callable[[], torch.Tensor]) -> None:
+        """``keys`` get the entries of the 1-D device tensor ``compute()`` returns, computed
+        only when someone reads the diagnostics: a step decided on the device launches no
+        kernel for diagnostics nobody reads (:mod:`plugins.ondevice`)."""
+        for key in keys:
+            self._values[key] = _LATER
+        self._later.append((tuple(keys), compute))
+
+    def _compute_later(self) -> None:
+        later, self._later = self._later, []
+        for keys, compute in later:
+            self._values.update((k, v) for k, v in zip(keys, compute().unbind(0)) if self._values.get(k) is _LATER)
+
+    def __getstate__(self):  # a copy or pickle holds values, not the functions that compute them
+        self.wait()
+        self._compute_later()
+        return self._values
+
+    def __setstate__(self, values) -> None:
+        self._values, self._works, self._later = values, [], []
 
     def wait_for(self, work) -> None:
         """A collective (``async_op=True``) writing into one of the values: waited for
@@ -58,7 +81,7 @@ class Diagnostics(MutableMapping):
 
     def __getitem__(self, key: str) -> float:
         value = self._values[key]
-        if torch.is_tensor(value):
+        if torch.is_tensor(value) or value is _LATER:
             self._read_all()
             value = self._values[key]
         return value
@@ -83,10 +106,12 @@ class Diagnostics(MutableMapping):
         nobody has read yet (for a host that logs them and reads them at its own log
         point, as fairseq's meters do).  Collectives still writing them are waited for."""
         self.wait()
+        self._compute_later()
         return dict(self._values)
 
     def _read_all(self) -> None:
         self.wait()
+        self._compute_later()
         lazy = [k for k, v in self._values.items() if torch.is_tensor(v)]
         for device in {self._values[k].device for k in lazy}:
             keys = [k for k in lazy if self._values[k].device == device]

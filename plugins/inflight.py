@@ -17,6 +17,7 @@ import torch
 
 from . import distributed as D
 from .diagnostics import Deferred, Diagnostics
+from .ondevice import dense
 from .perturbation import weight_mask
 from .reductions import FLAT_BELOW, chunk_plan
 
@@ -61,6 +62,7 @@ class StepInFlight:
     first_loss: Any = None                            # for the loss gap of the explicit API
     deferred: Optional[Tuple[Deferred, Diagnostics, Dict[str, float]]] = None  # sums reduced by descend()
     kept_grads: Optional[Tuple[list, list]] = None    # first_step(): g_t of a step the coin skipped
+    finite: Optional[torch.Tensor] = None             # decided on the device: g_t is finite (0-dim bool)
 
 
 class StepLists:
@@ -69,7 +71,7 @@ class StepLists:
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
     __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
-                 "buffers")
+                 "buffers", "flat_slope", "on_device")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
@@ -91,6 +93,11 @@ class StepLists:
         on_cpu = all(q.device.type == "cpu" for q in params)
         self.fuse_average_norm = all_flat or not on_cpu or layout.collective
         self.buffers: Dict[str, List[torch.Tensor]] = {}
+        self.flat_slope = None  # the slope buffers as views of one flat tensor (plugins.ondevice.Flat)
+        # a step may be decided on the device: one device and dtype (float32/64), dense tensors, one process
+        # or replicas (plugins.SharpnessAware._decides_on_device adds what the step's options allow)
+        self.on_device = (bool(params) and not self.low_precision and not layout.sharded and not layout.collective
+                          and len({(q.device, q.dtype) for q in params}) == 1 and all(map(dense, params)))
 
     def local_params(self) -> List[torch.Tensor]:
         """This rank's parts of the parameters (the parameters themselves unless DTensors)."""

@@ -53,7 +53,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from . import diagnostics, reductions, scaling
+from . import diagnostics, ondevice, reductions, scaling
 from . import distributed as D
 from . import perturbation as P
 from . import state as S
@@ -261,7 +261,8 @@ class SharpnessAware(torch.optim.Optimizer):
         self.diagnostics: Diagnostics = diagnostics.empty()
         self._step = 0
         self._nonfinite_steps = 0
-        self._previous: Optional[Dict[str, float]] = None  # norms of the last applied ascent
+        self._previous: Optional[Dict[str, float]] = None  # norms of the last applied ascent (host floats)
+        self._verdicts = ondevice.Verdicts()  # steps decided on the device, on their way to the host
         self._scratch: Dict[torch.Tensor, Dict[str, torch.Tensor]] = defaultdict(dict)
         self._pending: Optional[StepInFlight] = None  # the step between perturb() and descend()
         self._lists: Optional[StepLists] = None
@@ -275,6 +276,33 @@ class SharpnessAware(torch.optim.Optimizer):
             raise ValueError(D.DTENSOR_PARTITION)
 
     # ------------------------------------------------------------------ plumbing
+
+    # The last applied ascent's ``rho``, ``||v||`` and ``||eps||`` (the stability's previous
+    # ascent; None before the first): host floats, or, after steps decided on the device, a
+    # device vector ``[s, ||v||]`` (``_last``) read back here when the host asks.
+    @property
+    def _previous(self) -> Optional[Dict[str, float]]:
+        last = self.__dict__.get("_last")
+        if last is not None:
+            s, norm = last.tolist()
+            self._previous_host = None if math.isnan(s) else {"rho": s * norm, "slope_norm": norm,
+                                                              "ascent_norm": s * norm}
+            self._last = None
+        return self._previous_host
+
+    @_previous.setter
+    def _previous(self, value: Optional[Dict[str, float]]) -> None:
+        self._previous_host = value
+        self._last = None
+
+    def _last_ascent(self, like: torch.Tensor) -> torch.Tensor:
+        """``[s, ||v||]`` of the last applied ascent on ``like``'s device (NaN: none yet)."""
+        if self._last is None:
+            previous = self._previous_host
+            s = _NAN if previous is None else P.plain_ascent_scale(previous["rho"], previous["slope_norm"])
+            norm = _NAN if previous is None else previous["slope_norm"]
+            self._last = torch.tensor([s, norm], dtype=like.dtype, device=like.device)
+        return self._last
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         param_group = normalize_param_group(param_group)
@@ -366,19 +394,31 @@ class SharpnessAware(torch.optim.Optimizer):
         lists.buffers[key] = out
         return out
 
-    def _skip_nonfinite(self, which: str, scaled: bool) -> None:
+    def _skip_nonfinite(self, which: str, scaled: bool, step: Optional[int] = None) -> None:
         """Count a step skipped for a non-finite gradient; warn unless a loss scaler is
-        in charge (an overflow is then its routine signal to back the scale off)."""
+        in charge (an overflow is then its routine signal to back the scale off).
+        ``step``: a step decided on the device whose verdict arrived later (its
+        diagnostics said so already)."""
         self._nonfinite_steps += 1
-        self.diagnostics["nonfinite"] = 1.0
+        if step is None:
+            self.diagnostics["nonfinite"] = 1.0
         if not scaled:
-            warnings.warn(f"{type(self).__name__}: non-finite {which} gradient at step {self._step}; "
-                          f"the step is skipped ({self._nonfinite_steps} skipped so far)", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(f"{type(self).__name__}: non-finite {which} gradient at step "
+                          f"{self._step if step is None else step + 1}; the step is skipped "
+                          f"({self._nonfinite_steps} skipped so far)", RuntimeWarning, stacklevel=4)
+
+    def _count_arrived(self, *, wait: bool) -> None:
+        """Count (and warn about) the skipped steps among the device's verdicts that have
+        reached the host (all of them with ``wait``: a host sync, where one is pending)."""
+        if len(self._verdicts):
+            for t, which in self._verdicts.arrived(wait=wait):
+                self._skip_nonfinite(which, False, step=t)
 
     @property
     def nonfinite_steps(self) -> int:
-        """How many steps were skipped for a non-finite gradient."""
+        """How many steps were skipped for a non-finite gradient (waits for the verdicts of
+        steps decided on the device that have not reached the host yet)."""
+        self._count_arrived(wait=True)
         return self._nonfinite_steps
 
     @property
@@ -415,6 +455,8 @@ class SharpnessAware(torch.optim.Optimizer):
         if self._pending is not None:
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
         step = self._begin(scaler, loss)          # the coin, rho, the step's lists; g_t unscaled where kept
+        if self._decides_on_device(step):         # no host read: the finiteness of g_t stays on the device
+            return self._perturb_on_device(step)
         sums = self._first_pass_sums(step)        # one reduction, one host read: ||g_t||, ||d_t||, ...
         if not math.isfinite(sums["grad"]):       # the finiteness decision: nothing has moved, d_{t-1} kept
             step.kind = Kind.NONFINITE
@@ -441,6 +483,7 @@ class SharpnessAware(torch.optim.Optimizer):
         coin ``R_t`` (the same on every rank: where the sums cross ranks every rank
         decides alike, whatever it holds), and ``g_t`` unscaled where it stays in ``.grad``."""
         rho = self.current_rho()
+        self._count_arrived(wait=False)  # the verdicts of earlier steps decided on the device
         lists = self._step_lists()
         layout = lists.layout
         # plain tensors on several ranks: replicas, or split over partition_group?  Checked on the
@@ -661,6 +704,134 @@ class SharpnessAware(torch.optim.Optimizer):
         own = self._own_state
         return [D.local(own[q]["slope"]) if "slope" in own.get(q, ()) else None for q in lists.params]
 
+    # -------------------------------------------------------------- the step decided on the device
+
+    # False: every step reads its scalars on the host, as before the device path (tests compare the two)
+    _decide_on_device = True
+
+    def _decides_on_device(self, step: StepInFlight) -> bool:
+        """Whether this step keeps its decisions on the device (:mod:`plugins.ondevice`,
+        ``docs/design.md``, section 7): one process or replicas, one device and dtype
+        (float32/64), plain geometry, no GradScaler (its verdict is the host's), no GSAM,
+        and a slope buffer for every parameter already (the first step, which makes
+        them, ``d_0 = g_0`` from a finite ``g_0``, reads on the host once)."""
+        if not (self._decide_on_device and step.lists.on_device and step.loss_scale is None
+                and not self.adaptive and self.gsam_alpha == 0.0 and self.partition_group is None):
+            return False
+        if self.track_stability and self.theta is not None and self.p < 1.0:
+            return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
+        return self._flat_slope(step.lists) is not None
+
+    def _flat_slope(self, lists: StepLists) -> Optional[ondevice.Flat]:
+        """The slope buffers as views of one flat tensor, so that a check or a selection
+        over all of them is one kernel: made once per set of parameters, from the buffers
+        the first steps wrote (None while a parameter has none)."""
+        if lists.flat_slope is None:
+            own = self._own_state
+            kept = [own[q].get("slope") if q in own else None for q in lists.params]
+            if any(v is None for v in kept):
+                return None
+            flat = ondevice.Flat(lists.params)
+            torch._foreach_copy_(flat.views, kept)
+            for q, v in zip(lists.params, flat.views):
+                own[q]["slope"] = v
+            lists.buffers["slope"] = flat.views
+            lists.flat_slope = flat
+        return lists.flat_slope
+
+    def _perturb_on_device(self, step: StepInFlight) -> bool:
+        """:meth:`perturb` with no host read.  Returns the coin: True means run the second
+        pass, even where ``g_t`` was not finite (nothing moved then, and :meth:`descend`
+        skips the base step on the device)."""
+        finite, slope_norm, inner = self._rule_on_device(step)
+        step.finite = finite
+        if step.two_pass:
+            self._diagnose_on_device(step, slope_norm, inner)
+            step.kind = Kind.PERTURBED
+        else:
+            step.kind = Kind.FIRST_GRADIENT
+            step.diagnostics.later(("nonfinite",), lambda: (~finite).double().reshape(1))
+        self._pending = step
+        return step.two_pass
+
+    def _rule_on_device(self, step: StepInFlight):
+        """The paper's rule as :meth:`_rule` states it, with its one decision on the device:
+        a non-finite ``g_t`` stands in as ``d_{t-1}`` (SAM: as the kept slope) before
+        anything uses it, so that ``d_t = d_{t-1}`` and the ascent's scale is 0.  Returns
+        ``g_t``'s finiteness, ``||v_t||`` and ``<g_t, v_{t-1}>`` (stability), on the device."""
+        lists, theta = step.lists, self.theta
+        v = lists.flat_slope                                # d_{t-1}; SAM: g of the last ascent
+        g = ondevice.Flat(lists.params)                     # g_t, flat for this step only
+        torch._foreach_copy_(g.views, step.grads)
+        inner = slope_norm = None
+        if theta is not None:
+            inner = torch.dot(g.flat, v.flat)               # <g_t, d_{t-1}>: finite iff g_t is
+            finite = inner.abs() < math.inf
+            torch.where(finite, g.flat, v.flat, out=g.flat)
+            P.moving_average([v.flat], [g.flat], theta, in_place=True)  # eq. (5a): d_t
+            if step.two_pass:
+                slope_norm = torch.linalg.vector_norm(v.flat)
+        else:
+            slope_norm = torch.linalg.vector_norm(g.flat)   # ||g_t||: finite iff g_t is
+            finite = slope_norm < math.inf
+            if step.two_pass:
+                if self._scalar_stability():
+                    inner = torch.dot(g.flat, v.flat)       # <g_t, g_last>
+                torch.where(finite, g.flat, v.flat, out=v.flat)  # SAM: v_t = g_t
+        if not step.two_pass:
+            return finite, None, None
+        self._keep_for_descent(step, v.views)              # x_t for an exact restore
+        scale = P.plain_ascent_scale(step.rho, slope_norm)  # eq. (5b): s = rho / ||v_t||, 0 if not finite
+        if theta is not None:
+            scale.mul_(finite)                              # (d_t = d_{t-1} is finite: keep it from moving)
+        P.move_(step.params, v.views, scale)                # x_t + eps_t
+        step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, scale, slope_norm, True
+        _moved_parameters()
+        return finite, slope_norm, inner
+
+    def _diagnose_on_device(self, step: StepInFlight, slope_norm: torch.Tensor, inner) -> None:
+        """The step's diagnostics as :meth:`_diagnose` gives them, computed only when read
+        (:meth:`plugins.diagnostics.Diagnostics.later`); the last applied ascent's
+        ``[s, ||v||]`` is kept on the device for the next step's stability."""
+        last = self._last_ascent(step.scale)
+        self._last = torch.where(step.finite, torch.stack([step.scale, slope_norm.to(step.scale.dtype)]), last)
+        rho, theta, finite, scale = step.rho, self.theta, step.finite, step.scale
+        stability = self.track_stability and inner is not None
+
+        def compute() -> torch.Tensor:
+            norm = slope_norm.double()
+            nan = torch.full((), _NAN, dtype=torch.float64, device=norm.device)
+            ascent_norm = P.plain_ascent_norm(rho, norm)
+            value = nan
+            if stability:
+                s_last, norm_last = last.double().unbind(0)
+                inner_v = inner.double() if theta is None else P.moving_average_inner(theta, norm_last,
+                                                                                      inner.double())
+                value = P.plain_stability(scale.double(), s_last, inner_v, ascent_norm, s_last * norm_last)
+            taken = torch.stack([torch.ones_like(norm), ascent_norm, P.estimated_sharpness(rho, norm), value,
+                                 torch.zeros_like(norm)])
+            skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
+            return torch.where(finite, taken, skipped)
+        step.diagnostics.later(("two_pass", "ascent_norm", "sharpness", "stability", "nonfinite"), compute)
+
+    def _descend_on_device(self, step: StepInFlight) -> Optional[bool]:
+        """:meth:`_descend`'s base step for a step decided on the device (parameters back at
+        ``x_t`` already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as
+        torch's ``found_inf``; one host read where the base cannot take it."""
+        finite = step.finite
+        if step.kind is Kind.PERTURBED:
+            second = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
+            if second:
+                finite = finite & (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(second))) < math.inf)
+        found_inf = (~finite).float()
+        taken = ondevice.base_step(self.base_optimizer, found_inf)
+        _moved_parameters()
+        if taken is None:  # decided on the device: counted, and warned about, once the verdict arrives
+            self._verdicts.send(self._step - 1, found_inf + ~step.finite)
+        elif not taken:
+            self._skip_nonfinite("second-pass" if bool(step.finite) else "first-pass", False)
+        return taken
+
     # -------------------------------------------------------------- the second half
 
     @torch.no_grad()
@@ -716,6 +887,8 @@ class SharpnessAware(torch.optim.Optimizer):
         self.restore()
         self._pending = None
         self.in_second_pass = False
+        if step.finite is not None:  # perturb() decided on the device
+            return self._descend_on_device(step)
         if step.kind is Kind.NONFINITE:
             return False
         if step.kind is Kind.FIRST_GRADIENT:  # g_t, found finite by perturb(): nothing to decide again
@@ -1013,9 +1186,14 @@ class SharpnessAware(torch.optim.Optimizer):
                             "group cannot be copied): save its state_dict() and load it into an optimizer built "
                             "on the live group")
         self.diagnostics.wait()
+        self._count_arrived(wait=True)  # no verdict left on its way (CUDA events do not copy)
         return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED and not k.startswith("_optimizer_")}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "_previous" in state:  # a plain attribute before the step decided on the device
+            state["_previous_host"] = state.pop("_previous")
+        state.setdefault("_last", None)
+        state.setdefault("_verdicts", ondevice.Verdicts())
         super().__setstate__(state)  # torch's: empty hooks, its step() profiling wrapper
         self.state = S.MergedState(self)
         self._lists = None
@@ -1056,7 +1234,7 @@ class SharpnessAware(torch.optim.Optimizer):
         return S.base_optimizer_state(state_dict)
 
     def _counters(self) -> Dict[str, Any]:
-        return S.counters_dict(self._step, self.seed, self._nonfinite_steps, self._previous)
+        return S.counters_dict(self._step, self.seed, self.nonfinite_steps, self._previous)
 
     def _set_counters(self, counters: Dict[str, Any]) -> None:
         S.set_counters(self, counters)

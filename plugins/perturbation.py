@@ -139,21 +139,30 @@ def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
     """Move ``params`` to ``x + eps`` in place (the ascent of :func:`ascent_direction`).
 
     Plain geometry (``adaptive_mask`` None): ``x += s v`` with ``s = rho / ||v||``,
-    ``norm`` being ``||v||`` (a float), without materializing ``eps``; returns
-    ``(None, s, None)``.  Adaptive geometry: ``norm`` is ``||T v||`` when reduced
+    ``norm`` being ``||v||`` (a float, or a 0-dim device tensor: the step decided on the
+    device, :mod:`plugins.ondevice`), without materializing ``eps``; returns
+    ``(None, s, None)``, ``s`` a float or a 0-dim tensor as ``norm`` is.  Adaptive geometry: ``norm`` is ``||T v||`` when reduced
     already (None: reduced here, over ``plan``/``layout``); returns
     ``(eps, None, ||T v||)``, the norm a 0-dim float64 tensor."""
     params, slopes = list(params), list(slopes)
     if adaptive_mask is None:
         scale = plain_ascent_scale(rho, norm)
-        if params:
-            torch._foreach_add_(params, slopes, alpha=scale)
+        move_(params, slopes, scale)
         return None, scale, None
     eps, scaled_norm = ascent_direction(slopes, params, rho, adaptive_mask=adaptive_mask, eta=eta, plan=plan,
                                         layout=layout, norm=norm)
     if params:
         torch._foreach_add_(params, eps)
     return eps, None, scaled_norm
+
+
+def move_(params: Tensors, slopes: Tensors, scale) -> None:
+    """``x += s v`` in place, ``s`` a float or a 0-dim device tensor (no host sync)."""
+    params = list(params)
+    if params and torch.is_tensor(scale):
+        torch._foreach_add_(params, torch._foreach_mul(list(slopes), scale))
+    elif params:
+        torch._foreach_add_(params, list(slopes), alpha=scale)
 
 
 def descend_from_ascent_(params: Tensors, slopes: Tensors, scale: float,
@@ -165,17 +174,25 @@ def descend_from_ascent_(params: Tensors, slopes: Tensors, scale: float,
     if anchors is not None:
         if params:
             torch._foreach_copy_(params, list(anchors))
+    elif params and torch.is_tensor(scale):  # the same product s v that ascend_ added
+        torch._foreach_sub_(params, torch._foreach_mul(list(slopes), scale))
     elif params:
         torch._foreach_add_(params, list(slopes), alpha=-scale)
 
 
-def plain_ascent_scale(rho: float, slope_norm: float) -> float:
-    """Scalar ``s`` with ``eps = s * v`` in plain geometry; 0 when ``v == 0``."""
+def plain_ascent_scale(rho: float, slope_norm):
+    """Scalar ``s`` with ``eps = s * v`` in plain geometry; 0 when ``v == 0``.  For a 0-dim
+    device tensor ``||v||`` a tensor, 0 also where ``||v||`` is not finite (the step
+    decided on the device: nothing moves then), with no host sync."""
+    if torch.is_tensor(slope_norm):
+        return slope_norm.reciprocal().mul_(rho).nan_to_num_(0.0, 0.0, 0.0)  # 1/0 = inf -> 0
     return rho / slope_norm if slope_norm > 0.0 else 0.0
 
 
-def plain_ascent_norm(rho: float, slope_norm: float) -> float:
-    """``||eps||`` of plain geometry: ``rho``, or 0 when ``v == 0``."""
+def plain_ascent_norm(rho: float, slope_norm):
+    """``||eps||`` of plain geometry: ``rho``, or 0 when ``v == 0`` (a tensor for a tensor)."""
+    if torch.is_tensor(slope_norm):
+        return (slope_norm > 0.0).to(slope_norm.dtype) * rho
     return rho if slope_norm > 0.0 else 0.0
 
 

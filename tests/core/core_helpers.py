@@ -79,6 +79,49 @@ def coin_seed(p: float, skipped: int = 2) -> int:
                 and second_pass_coin(p, s, skipped))
 
 
+def decided_on_device(kind: str, dtype=torch.float32, scaled: bool = False) -> bool:
+    """Whether the member's steps are decided on the device (``plugins.ondevice``) once its
+    slope buffers exist: fp32/fp64 parameters, no GradScaler, plain geometry, no GSAM, and
+    not eVASSO's buffered stability (``SharpnessAware._decides_on_device``)."""
+    cls, knobs = VARIANTS[kind]
+    return (not scaled and dtype in (torch.float32, torch.float64) and not knobs.get("adaptive")
+            and not knobs.get("gsam_alpha") and not (cls is VASSO and knobs.get("p", 1.0) < 1.0))
+
+
+def expected_syncs(kind: str, coins, dtype=torch.float32, scaled: bool = False, fused: bool = False):
+    """Host syncs of each step, for the coins drawn (``docs/design.md``, section 7): the host
+    path reads once in perturb() and once in descend() (once in all when the coin skips);
+    a step decided on the device reads only the base optimizer's verdict (1), or nothing
+    where the base takes torch's ``found_inf`` (``fused``: 0).  The device path starts once
+    the slope buffers exist: after the first two-pass step."""
+    return [(0 if fused else 1) if device else 2 if two_pass else 1
+            for two_pass, device in zip(coins, steps_on_device(kind, coins, dtype, scaled))]
+
+
+def steps_on_device(kind: str, coins, dtype=torch.float32, scaled: bool = False):
+    """Which steps are decided on the device: those after the first two-pass step (which
+    makes the slope buffers), for a member and setting that :func:`decided_on_device`."""
+    out, have_slopes = [], False
+    for two_pass in coins:
+        out.append(have_slopes and decided_on_device(kind, dtype, scaled))
+        have_slopes = have_slopes or two_pass
+    return out
+
+
+def fused_adamw_on(device: str = "cpu"):
+    """``torch.optim.AdamW`` with ``fused=True`` on ``device``, or a pytest skip where this torch has
+    none there (the CPU's came with torch 2.4)."""
+    import pytest
+
+    try:
+        q = torch.zeros(2, device=device, requires_grad=True)
+        q.grad = torch.ones_like(q)
+        torch.optim.AdamW([q], fused=True).step()
+    except (RuntimeError, ValueError) as exc:
+        pytest.skip(f"torch {torch.__version__} has no fused AdamW on {device} ({exc})")
+    return torch.optim.AdamW
+
+
 # ------------------------------------------------------------------ host synchronizations
 # The counters live in the package (vasso-selftest counts with the same ones on the CPU).
 from plugins.lab.selftest.syncs import SYNC_CALLS, CountSyncCalls, CountSyncs  # noqa: E402,F401

@@ -19,7 +19,7 @@ from plugins import optimizer as O
 from plugins.lab.selftest.checks import scaled_step
 from plugins.lab.selftest.syncs import cuda_sync_debug_warnings
 from plugins.perturbation import rng_state, second_pass_coin
-from core_helpers import CountSyncs, build, flat, make_batches, make_model, skip_without_cpu_matmul
+from core_helpers import CountSyncs, build, expected_syncs, flat, make_batches, make_model, skip_without_cpu_matmul
 
 F = torch.nn.functional
 #: the ``gpu`` marker: these cases skip without a CUDA device (tests/conftest.py), scripts/test_gpu.sh runs them
@@ -481,15 +481,16 @@ def test_a_scaler_must_be_a_grad_scaler():
 @pytest.mark.parametrize("kind", KINDS + ["eSAM"])
 def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
     """At most 2 per two-pass step (perturb 1, the finish 1), 1 per step the coin skips,
-    with or without a scaler, in both APIs, with fp32, bf16 or fp16 parameters; the
-    scaler's own calls add none (SGD: no sync)."""
+    with or without a scaler, in both APIs, with fp32, bf16 or fp16 parameters; 1 per step
+    decided on the device (SGD cannot take found_inf: its verdict is read); the scaler's
+    own calls add none (SGD: no sync)."""
     skip_without_cpu_matmul(dtype)
     model = make_model(dropout=0.1).to(dtype)
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
     scaler = make_scaler("cpu", init_scale=2.0 ** 8) if scaled else None
-    counts, expected = [], []
+    counts, coins = [], []
     for t, (x, y) in enumerate(make_batches(6)):
-        expected.append(2 if second_pass_coin(opt.p, opt.seed, t) else 1)
+        coins.append(second_pass_coin(opt.p, opt.seed, t))
         x = x.to(dtype)
 
         def backward():
@@ -517,7 +518,7 @@ def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
         if scaler is not None:
             scaler.update()
         counts.append(syncs.count)
-    assert counts == expected
+    assert counts == expected_syncs(kind, coins, dtype, scaled)
 
 
 @CUDA

@@ -38,10 +38,19 @@ PINNED_TORCH = "2.14.1"
 # computed 2026-11-27 at commit e7c2098 (the core of d4fcd2c), torch 2.14.1+cu130, AMD EPYC (AVX512)
 PINS = {
     "AVX512": {
-        "SAM-AdamW": ("595772621c5c9c257e123d7093fb75e40546a6fb6e15fb218dabe6e35ee44805",
+        # the steps decided on the device (plugins.ondevice), computed 2026-11-27: one flat float32
+        # norm and dot instead of the float64 combination of per-part norms
+        "SAM-AdamW": ("c7a9990958af74ae2aa9ca73ddd2a6efb711925f7b90d153c12fe65f0c3860c0",
+                      ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.2943880000000p+2", "0x1.3143aa0000000p+2",
+                       "0x1.1e44140000000p+2", "0x1.b9443a0000000p+1", "0x1.4a38e00000000p+1", "0x1.ee23580000000p+0"]),
+        "VASSO-AdamW": ("3123d131c2864f8d0cb132cbb90dcf34bc0d02b4f998cb1b2190a78bf92ba031",
+                        ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.0dc98a0000000p+2",
+                         "0x1.f426380000000p+1", "0x1.f537f80000000p+1", "0x1.828efe0000000p+1",
+                         "0x1.32c5680000000p+1", "0x1.6b65100000000p+1"]),
+        "SAM-AdamW host path": ("595772621c5c9c257e123d7093fb75e40546a6fb6e15fb218dabe6e35ee44805",
                       ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.29442a0000000p+2", "0x1.3143ca0000000p+2",
                        "0x1.1d71e80000000p+2", "0x1.7b79200000000p+1", "0x1.2a008c0000000p+1", "0x1.4eaa720000000p+1"]),
-        "VASSO-AdamW": ("79c0304039a7e3dc811689b85435acd1fc96f3dce818612a6211e405be9c7164",
+        "VASSO-AdamW host path": ("79c0304039a7e3dc811689b85435acd1fc96f3dce818612a6211e405be9c7164",
                         ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.0dc9740000000p+2",
                          "0x1.f427a00000000p+1", "0x1.f5384c0000000p+1", "0x1.828f380000000p+1",
                          "0x1.17a8840000000p+2", "0x1.b36ff40000000p+1"]),
@@ -81,10 +90,20 @@ class ManyParts(torch.nn.Module):
         return self.out(self.norm(h)) * self.temperature
 
 
+def _host_path(opt):
+    opt._decide_on_device = False  # every step reads its scalars on the host (docs/design.md, section 7)
+    return opt
+
+
+# The steps decided on the device (plugins.ondevice, the default here) and the host path; the
+# host path's pins are those of the core before the device path was added (e7c2098): that
+# path is unchanged, bit for bit.
 CASES = {
     "SAM-AdamW": lambda ps: SAM(ps, torch.optim.AdamW, rho=0.1, lr=1e-2, weight_decay=1e-4, betas=(0.9, 0.98)),
     "VASSO-AdamW": lambda ps: VASSO(ps, torch.optim.AdamW, rho=0.1, theta=0.4, lr=1e-2, weight_decay=1e-4,
                                     betas=(0.9, 0.98)),
+    "SAM-AdamW host path": lambda ps: _host_path(CASES["SAM-AdamW"](ps)),
+    "VASSO-AdamW host path": lambda ps: _host_path(CASES["VASSO-AdamW"](ps)),
 }
 
 

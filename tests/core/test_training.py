@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-from plugins import SAM, VASSO, frozen_running_stats
+from plugins import SAM, VASSO, frozen_running_stats, rng_state
 from plugins.perturbation import second_pass_coin
-from core_helpers import FAMILY, build, closure_for, first_backward, flat, make_batches, make_model
+from core_helpers import FAMILY, build, closure_for, first_backward, flat, fused_adamw_on, make_batches, make_model
 
 BASES = {
     "SGD+momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
@@ -292,20 +292,40 @@ def test_closure_can_freeze_batchnorm_in_the_second_pass():
     assert counted == [1, 1]
 
 
-def test_nonfinite_first_gradient_skips_the_step_and_keeps_d():
+@pytest.mark.parametrize("path", ["host", "device", "device, fused base"])
+def test_nonfinite_first_gradient_skips_the_step_and_keeps_d(path):
+    """The host path knows at perturb(); decided on the device, perturb() returns the coin
+    (the second pass runs at x_t) and the step is skipped all the same: no parameter,
+    d_{t-1} or base state moves, and the warning comes with descend() (a base that takes
+    found_inf: once the verdict has reached the host, here at once)."""
     model = make_model()
-    opt = VASSO(model.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+    base, kw = (fused_adamw_on("cpu"), dict(fused=True)) if "fused" in path else (torch.optim.SGD, {})
+    opt = VASSO(model.parameters(), base, rho=0.1, lr=0.1, **kw)
+    opt._decide_on_device = path != "host"
     batches = make_batches(3)
     opt.step(closure_for(opt, model, *batches[0]))
     d = flat(opt.state[q]["sam_slope"] for q in model.parameters())
+    base_state = [v.clone() for q in model.parameters() for v in opt.base_optimizer.state[q].values()
+                  if torch.is_tensor(v)]
     before = flat(model.parameters())
+    rng = rng_state()
     first_backward(model, batches[1][0], batches[1][1])
     model[0].weight.grad[0, 0] = float("nan")
     with pytest.warns(RuntimeWarning, match="non-finite first-pass gradient"):
-        assert not opt.perturb()
-    assert not opt.descend()
+        if path == "host":
+            assert not opt.perturb()
+        else:
+            assert opt.perturb()  # the coin: nothing moved
+            assert torch.equal(flat(model.parameters()), before)
+            opt.zero_grad()
+            with opt.second_pass(model, rng):
+                first_backward(model, batches[1][0], batches[1][1])
+        assert opt.descend() is (None if "fused" in path else False)
+        opt.nonfinite_steps  # the count waits for a verdict on its way (with a fused base)
     assert torch.equal(flat(model.parameters()), before)
     assert torch.equal(flat(opt.state[q]["sam_slope"] for q in model.parameters()), d)
+    assert all(torch.equal(a, b) for a, b in zip(base_state, [v for q in model.parameters() for v in
+                                                             opt.base_optimizer.state[q].values() if torch.is_tensor(v)]))
     assert opt.diagnostics["nonfinite"] == 1.0 and opt.nonfinite_steps == 1
     # training goes on afterwards
     opt.step(closure_for(opt, model, *batches[2]))

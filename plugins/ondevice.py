@@ -1,0 +1,132 @@
+"""The step decided on the device: no host sync from the first backward to the base step.
+
+A GPU runs ahead of the Python that feeds it; every read of a device value on the host
+(``.item()``, ``float()``, ``if tensor:``) makes the host wait until the GPU has drained
+its queue.  The step's decisions are therefore taken on the device where the
+configuration allows it (:meth:`plugins.SharpnessAware._decides_on_device`,
+``docs/design.md``, section 7): the finiteness of ``g_t`` and ``h_t`` is a 0-dim device
+bool, a non-finite ``g_t`` is replaced by ``d_{t-1}`` (SAM: the kept slope) before it is
+used, the ascent's scale is 0 then, and the base optimizer is handed the verdict as
+torch's ``found_inf`` (fused Adam/AdamW/SGD skip on the device; any other base costs one
+host read, in :func:`base_step`).  Which of the two passes runs stays a host decision:
+the coin is a pure function of ``(seed, step)``.
+
+Here: the flat buffers such a step works on (:class:`Flat`), the base step given a
+device verdict (:func:`base_step`), and the verdicts on their way to the host, so that
+a skipped step is counted and warned about a step or so late instead of making the step
+wait (:class:`Verdicts`).
+The rule itself is :meth:`plugins.SharpnessAware._rule_on_device`.  Torch only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Sequence
+
+import torch
+
+__all__ = ["Flat", "dense", "takes_found_inf", "base_step", "Verdicts"]
+
+
+def dense(t: torch.Tensor) -> bool:
+    """``t``'s elements fill its storage span exactly (contiguous, channels_last, ...): a
+    view of a flat buffer can then have ``t``'s shape and strides."""
+    if t.is_contiguous():
+        return True
+    formats = [torch.channels_last] if t.dim() == 4 else [torch.channels_last_3d] if t.dim() == 5 else []
+    return any(t.is_contiguous(memory_format=f) for f in formats)
+
+
+class Flat:
+    """One flat tensor, and views of it with the shapes and strides of ``like``'s tensors
+    (channels_last stays channels_last, so that ``torch._foreach_*`` over the views and
+    the parameters keeps its fast path).  A reduction or a ``torch.where`` over the whole
+    list is then one kernel on :attr:`flat`."""
+
+    __slots__ = ("flat", "views")
+
+    def __init__(self, like: Sequence[torch.Tensor], *, dtype: Optional[torch.dtype] = None):
+        first = like[0]
+        self.flat = torch.empty(sum(t.numel() for t in like), dtype=dtype or first.dtype, device=first.device)
+        self.views: List[torch.Tensor] = []
+        at = 0
+        for t in like:
+            self.views.append(self.flat.as_strided(t.shape, t.stride(), at) if not t.is_contiguous()
+                              else self.flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """``tensors`` are this buffer's views (nobody replaced them: a loaded state dict)."""
+        return len(tensors) == len(self.views) and all(a is b for a, b in zip(tensors, self.views))
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer skips its step on the device when handed ``found_inf`` (torch's
+    protocol for ``GradScaler``: ``_step_supports_amp_scaling``, set by the fused Adam,
+    AdamW, SGD and Adagrad)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def base_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Optional[bool]:
+    """The base optimizer's step, skipped where ``found_inf`` (a 0-dim float32 device
+    tensor, 1.0 or 0.0) is 1: on the device for an optimizer that takes torch's
+    ``found_inf`` (returns None: the host does not know), else after one host read
+    (returns whether it stepped)."""
+    if takes_found_inf(optimizer):
+        optimizer.found_inf = found_inf
+        optimizer.grad_scale = None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+        return None
+    if found_inf.item():  # the one host read of the step
+        return False
+    optimizer.step()
+    return True
+
+
+class Verdicts:
+    """The device's verdicts on steps, on their way to the host without a wait: each is
+    copied to pinned host memory without blocking (CUDA) and looked at once it has
+    arrived, at a later step or when someone asks (:meth:`arrived` with ``wait``).  On
+    the CPU a verdict is there at once: its value is read directly, nothing waits.
+
+    A verdict is a 0-dim float tensor: 0 the step was taken, 1 it was skipped for a
+    non-finite second-pass gradient, 2 for a non-finite first-pass gradient."""
+
+    __slots__ = ("_queue",)
+
+    WHICH = {1: "second-pass", 2: "first-pass"}
+
+    def __init__(self):
+        self._queue: List[tuple] = []  # (step, host copy, event)
+
+    def send(self, step: int, verdict: torch.Tensor) -> None:
+        if verdict.device.type == "cpu":
+            copy, event = verdict, None
+        else:
+            copy = torch.empty((), dtype=verdict.dtype, pin_memory=True)
+            copy.copy_(verdict, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._queue.append((step, copy, event))
+
+    def arrived(self, *, wait: bool) -> List[tuple]:
+        """``(step, which pass)`` of the skipped steps among the verdicts that have arrived,
+        in order (all of them with ``wait``)."""
+        skipped = []
+        while self._queue:
+            step, copy, event = self._queue[0]
+            if event is not None:
+                if not wait and not event.query():
+                    break
+                event.synchronize()
+            self._queue.pop(0)
+            code = int(copy.numpy())  # a host tensor: no device to wait for
+            if code:
+                skipped.append((step, self.WHICH[code]))
+        return skipped
+
+    def __len__(self) -> int:
+        return len(self._queue)
