@@ -63,6 +63,7 @@ class StepInFlight:
     deferred: Optional[Tuple[Deferred, Diagnostics, Dict[str, float]]] = None  # sums reduced by descend()
     kept_grads: Optional[Tuple[list, list]] = None    # first_step(): g_t of a step the coin skipped
     finite: Optional[torch.Tensor] = None             # decided on the device: g_t is finite (0-dim bool)
+    found_inf: Optional[torch.Tensor] = None          # decided on the device: the base's verdict (0-dim float)
 
 
 class StepLists:
@@ -71,7 +72,7 @@ class StepLists:
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
     __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
-                 "buffers", "flat_slope", "on_device")
+                 "buffers", "flat_slope", "on_device", "_constants")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
@@ -94,10 +95,19 @@ class StepLists:
         self.fuse_average_norm = all_flat or not on_cpu or layout.collective
         self.buffers: Dict[str, List[torch.Tensor]] = {}
         self.flat_slope = None  # the slope buffers as views of one flat tensor (plugins.ondevice.Flat)
+        self._constants = None
         # a step may be decided on the device: one device and dtype (float32/64), dense tensors, one process
         # or replicas (plugins.SharpnessAware._decides_on_device adds what the step's options allow)
         self.on_device = (bool(params) and not self.low_precision and not layout.sharded and not layout.collective
                           and len({(q.device, q.dtype) for q in params}) == 1 and all(map(dense, params)))
+
+    def constants(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """0.0, 1.0 and 2.0 as 0-dim float32 tensors on the parameters' device, made once:
+        the verdicts of a step decided on the device select among them."""
+        if self._constants is None:
+            self._constants = tuple(torch.full((), v, dtype=torch.float32, device=self.layout.device)
+                                    for v in (0.0, 1.0, 2.0))
+        return self._constants
 
     def local_params(self) -> List[torch.Tensor]:
         """This rank's parts of the parameters (the parameters themselves unless DTensors)."""

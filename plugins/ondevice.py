@@ -20,12 +20,12 @@ The rule itself is :meth:`plugins.SharpnessAware._rule_on_device`.  Torch only.
 
 from __future__ import annotations
 
-import warnings
+import math
 from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["Flat", "dense", "takes_found_inf", "base_step", "Verdicts"]
+__all__ = ["Flat", "dense", "check_finite_", "takes_found_inf", "base_step", "Verdicts"]
 
 
 def dense(t: torch.Tensor) -> bool:
@@ -58,6 +58,20 @@ class Flat:
     def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """``tensors`` are this buffer's views (nobody replaced them: a loaded state dict)."""
         return len(tensors) == len(self.views) and all(a is b for a, b in zip(tensors, self.views))
+
+
+def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> None:
+    """``found_inf`` (0-dim float32) becomes 1 if any of ``tensors`` has a non-finite element,
+    and is left as it is otherwise: torch's own check, the one ``GradScaler`` uses (one
+    kernel for the list, unscaling by ``one``: the values stay as they are).  A torch
+    without that kernel for the device (the CPU's before torch 2.3): from their norm."""
+    if not tensors:
+        return
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found_inf, one)
+    except (NotImplementedError, RuntimeError):
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))))
+        found_inf.copy_(torch.where(norm < math.inf, found_inf, one))
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:

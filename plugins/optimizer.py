@@ -745,6 +745,8 @@ class SharpnessAware(torch.optim.Optimizer):
         skips the base step on the device)."""
         finite, slope_norm, inner = self._rule_on_device(step)
         step.finite = finite
+        zero, one = step.lists.constants()[:2]
+        step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
         if step.two_pass:
             self._diagnose_on_device(step, slope_norm, inner)
             step.kind = Kind.PERTURBED
@@ -781,11 +783,11 @@ class SharpnessAware(torch.optim.Optimizer):
         if not step.two_pass:
             return finite, None, None
         self._keep_for_descent(step, v.views)              # x_t for an exact restore
-        scale = P.plain_ascent_scale(step.rho, slope_norm)  # eq. (5b): s = rho / ||v_t||, 0 if not finite
+        unit = P.unit_scale(slope_norm)                     # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
         if theta is not None:
-            scale.mul_(finite)                              # (d_t = d_{t-1} is finite: keep it from moving)
-        P.move_(step.params, v.views, scale)                # x_t + eps_t
-        step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, scale, slope_norm, True
+            unit.mul_(finite)                               # (d_t = d_{t-1} is finite: keep it from moving)
+        P.move_(step.params, v.views, unit, rho=step.rho)   # x_t + eps_t
+        step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
         _moved_parameters()
         return finite, slope_norm, inner
 
@@ -793,10 +795,11 @@ class SharpnessAware(torch.optim.Optimizer):
         """The step's diagnostics as :meth:`_diagnose` gives them, computed only when read
         (:meth:`plugins.diagnostics.Diagnostics.later`); the last applied ascent's
         ``[s, ||v||]`` is kept on the device for the next step's stability."""
-        last = self._last_ascent(step.scale)
-        self._last = torch.where(step.finite, torch.stack([step.scale, slope_norm.to(step.scale.dtype)]), last)
-        rho, theta, finite, scale = step.rho, self.theta, step.finite, step.scale
+        rho, theta, finite, unit = step.rho, self.theta, step.finite, step.scale
         stability = self.track_stability and inner is not None
+        last = self._last_ascent(unit) if self.track_stability else None
+        if self.track_stability:  # s = rho / ||v||: the next step's previous ascent
+            self._last = torch.where(finite, torch.stack([unit * rho, slope_norm.to(unit.dtype)]), last)
 
         def compute() -> torch.Tensor:
             norm = slope_norm.double()
@@ -807,7 +810,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 s_last, norm_last = last.double().unbind(0)
                 inner_v = inner.double() if theta is None else P.moving_average_inner(theta, norm_last,
                                                                                       inner.double())
-                value = P.plain_stability(scale.double(), s_last, inner_v, ascent_norm, s_last * norm_last)
+                value = P.plain_stability(unit.double() * rho, s_last, inner_v, ascent_norm, s_last * norm_last)
             taken = torch.stack([torch.ones_like(norm), ascent_norm, P.estimated_sharpness(rho, norm), value,
                                  torch.zeros_like(norm)])
             skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
@@ -818,16 +821,14 @@ class SharpnessAware(torch.optim.Optimizer):
         """:meth:`_descend`'s base step for a step decided on the device (parameters back at
         ``x_t`` already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as
         torch's ``found_inf``; one host read where the base cannot take it."""
-        finite = step.finite
+        found_inf = step.found_inf  # g_t's verdict, from perturb()
         if step.kind is Kind.PERTURBED:
             second = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
-            if second:
-                finite = finite & (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(second))) < math.inf)
-        found_inf = (~finite).float()
+            ondevice.check_finite_(second, found_inf, step.lists.constants()[1])  # h_t's too
         taken = ondevice.base_step(self.base_optimizer, found_inf)
         _moved_parameters()
         if taken is None:  # decided on the device: counted, and warned about, once the verdict arrives
-            self._verdicts.send(self._step - 1, found_inf + ~step.finite)
+            self._verdicts.send(self._step - 1, torch.where(step.finite, found_inf, step.lists.constants()[2]))
         elif not taken:
             self._skip_nonfinite("second-pass" if bool(step.finite) else "first-pass", False)
         return taken
@@ -840,7 +841,8 @@ class SharpnessAware(torch.optim.Optimizer):
         step = self._pending
         if step is None or step.kind is not Kind.PERTURBED or not step.at_ascent:
             return
-        P.descend_from_ascent_(step.params, step.slopes, step.scale, step.anchors)
+        P.descend_from_ascent_(step.params, step.slopes, step.scale, step.anchors,
+                               rho=step.rho if torch.is_tensor(step.scale) else 1.0)
         if step.exchange is not None:  # partition_group: the other owners' parameters too
             step.exchange.restore()
         step.at_ascent = False
@@ -1119,16 +1121,24 @@ class SharpnessAware(torch.optim.Optimizer):
             with self.second_pass(model, rng), torch.enable_grad():
                 second = closure()
             if loss is not None and second is not None:
-                self._set_loss_gap(diagnostics.loss_gap(loss, second))
+                self._set_loss_gap(loss, second)
         if self._pending.scaled:
             scaler.step(self)  # records the overflow in the scaler, then calls step() to finish
         else:
             self._descend()  # not descend(): this step() is the one torch's wrappers see
         return loss
 
-    def _set_loss_gap(self, gap) -> None:
+    def _set_loss_gap(self, first, second) -> None:
         """The loss gap; on several ranks the mean of the ranks' gaps, over
-        ``partition_group`` or the default group (:func:`plugins.diagnostics.mean_over_ranks`)."""
+        ``partition_group`` or the default group (:func:`plugins.diagnostics.mean_over_ranks`);
+        in one process, from tensor losses, computed only when read."""
+        dist = torch.distributed
+        if (torch.is_tensor(first) and torch.is_tensor(second)
+                and not (dist.is_available() and dist.is_initialized() and dist.get_world_size(self.partition_group) > 1)):
+            first, second = first.detach(), second.detach()
+            self.diagnostics.later(("loss_gap",), lambda: diagnostics.loss_gap(first, second).reshape(1))
+            return
+        gap = diagnostics.loss_gap(first, second)
         lists = self._lists
         device = lists.layout.device if lists is not None else torch.device("cpu")
         diagnostics.mean_over_ranks(self.diagnostics, "loss_gap", gap, self.partition_group, device)
@@ -1137,7 +1147,7 @@ class SharpnessAware(torch.optim.Optimizer):
         """``loss_gap`` of the step in flight from the losses the explicit API was handed."""
         step = self._pending
         if second is not None and step is not None and step.kind is Kind.PERTURBED and step.first_loss is not None:
-            self._set_loss_gap(diagnostics.loss_gap(step.first_loss, second))
+            self._set_loss_gap(step.first_loss, second)
 
     def _finish_step(self, loss=None) -> bool:
         """``step()`` without a closure: the explicit API's descend, directly or through

@@ -156,17 +156,18 @@ def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
     return eps, None, scaled_norm
 
 
-def move_(params: Tensors, slopes: Tensors, scale) -> None:
-    """``x += s v`` in place, ``s`` a float or a 0-dim device tensor (no host sync)."""
+def move_(params: Tensors, slopes: Tensors, scale, *, rho: float = 1.0) -> None:
+    """``x += s v`` in place, ``s`` a float, or ``rho`` times a 0-dim device tensor
+    (:func:`unit_scale`; no host sync, ``rho`` rides along as the add's ``alpha``)."""
     params = list(params)
     if params and torch.is_tensor(scale):
-        torch._foreach_add_(params, torch._foreach_mul(list(slopes), scale))
+        torch._foreach_add_(params, torch._foreach_mul(list(slopes), scale), alpha=rho)
     elif params:
         torch._foreach_add_(params, list(slopes), alpha=scale)
 
 
-def descend_from_ascent_(params: Tensors, slopes: Tensors, scale: float,
-                         anchors: Optional[Tensors] = None) -> None:
+def descend_from_ascent_(params: Tensors, slopes: Tensors, scale,
+                         anchors: Optional[Tensors] = None, *, rho: float = 1.0) -> None:
     """Back from ``x + eps`` to ``x`` in place: a copy of the kept ``anchors`` (exact), or,
     in plain geometry, ``x -= s v`` (the ``s v`` :func:`ascend_` added: ``x`` again up to
     the rounding of one add and one subtract)."""
@@ -174,8 +175,8 @@ def descend_from_ascent_(params: Tensors, slopes: Tensors, scale: float,
     if anchors is not None:
         if params:
             torch._foreach_copy_(params, list(anchors))
-    elif params and torch.is_tensor(scale):  # the same product s v that ascend_ added
-        torch._foreach_sub_(params, torch._foreach_mul(list(slopes), scale))
+    elif params and torch.is_tensor(scale):  # the same product that move_ added
+        torch._foreach_sub_(params, torch._foreach_mul(list(slopes), scale), alpha=rho)
     elif params:
         torch._foreach_add_(params, list(slopes), alpha=-scale)
 
@@ -185,8 +186,15 @@ def plain_ascent_scale(rho: float, slope_norm):
     device tensor ``||v||`` a tensor, 0 also where ``||v||`` is not finite (the step
     decided on the device: nothing moves then), with no host sync."""
     if torch.is_tensor(slope_norm):
-        return slope_norm.reciprocal().mul_(rho).nan_to_num_(0.0, 0.0, 0.0)  # 1/0 = inf -> 0
+        return unit_scale(slope_norm).mul_(rho)
     return rho / slope_norm if slope_norm > 0.0 else 0.0
+
+
+def unit_scale(slope_norm: torch.Tensor) -> torch.Tensor:
+    """``1 / ||v||`` from a 0-dim device tensor, 0 where ``||v||`` is 0 or not finite (the
+    step decided on the device: nothing moves then), with no host sync: ``eps = rho *
+    unit_scale(||v||) * v`` (:func:`move_`)."""
+    return slope_norm.reciprocal().nan_to_num_(0.0, 0.0, 0.0)  # 1/0 = inf -> 0; 1/inf = 0; NaN -> 0
 
 
 def plain_ascent_norm(rho: float, slope_norm):
