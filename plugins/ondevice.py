@@ -132,8 +132,8 @@ class Verdicts:
         skipped = []
         while self._queue:
             step, copy, event = self._queue[0]
-            if event is not None:
-                if not wait and not event.query():
+            if event is not None and not event.query():  # (a query does not wait)
+                if not wait:
                     break
                 event.synchronize()
             self._queue.pop(0)

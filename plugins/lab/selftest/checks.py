@@ -381,9 +381,73 @@ def check_host_syncs(device: str) -> Figure:
         figure += f"; torch's CUDA sync debug mode: at most {max(debug.values())}"
     else:
         figure += "; torch's CUDA sync debug mode needs a GPU"
+    figure += "; " + _unscaled_fused_syncs(device, cuda, details, failures)
     if failures:
         raise CheckFailed("; ".join(failures), details)
     return figure, details
+
+
+#: the members whose steps are decided on the device (no scaler, plain geometry, no GSAM)
+ON_DEVICE = ("SAM", "VASSO", "eSAM")
+
+
+def _unscaled_fused_syncs(device: str, cuda: bool, details: Dict, failures: List[str]) -> str:
+    """The bf16/fp32 path: no scaler, a base that takes torch's ``found_inf`` (fused AdamW):
+    no host sync at all in a step once the slope buffers exist (docs/design.md, section 7)."""
+    try:
+        probe = torch.zeros(2, device=device, requires_grad=True)
+        probe.grad = torch.ones_like(probe)
+        torch.optim.AdamW([probe], fused=True).step()
+    except (RuntimeError, ValueError):
+        return f"no fused AdamW on {device} in torch {torch.__version__} (unscaled path not counted)"
+    counted: Dict[str, List[int]] = {}
+    debug: Dict[str, int] = {}
+    for member in ON_DEVICE:
+        for api in ("closure", "explicit"):
+            model = TinyMLP(initial_parameters(), device)
+            opt = _core(member, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.2, fused=True)
+            data = [(x.to(device, torch.float32), y.to(device)) for x, y in batches(8)]
+
+            def step(x, y):
+                def backward():
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                    return loss
+                if api == "closure":
+                    opt.step(backward)
+                    return
+                rng = rng_state()
+                opt.zero_grad()
+                backward()
+                if opt.perturb():
+                    opt.zero_grad()
+                    with opt.second_pass(model, rng):
+                        backward()
+                opt.descend()
+
+            for x, y in data[:3]:  # the first two-pass step makes the slope buffers (host path)
+                step(x, y)
+            key = f"{member} {api}"
+            counted[key] = []
+            for x, y in data[3:]:
+                with CountSyncs() as syncs:
+                    step(x, y)
+                counted[key].append(syncs.count)
+            if max(counted[key]) > 0:
+                failures.append(f"{key}, unscaled, fused AdamW: {max(counted[key])} syncs in a step (expected 0)")
+            if cuda:
+                torch.cuda.synchronize(device)
+                with cuda_sync_debug_warnings() as seen:
+                    step(*data[-1])
+                debug[key] = len(seen)
+                if seen:
+                    failures.append(f"{key}, unscaled, fused AdamW: torch's sync debug mode saw {len(seen)} syncs")
+    details["unscaled_fused_counted_per_step"] = counted
+    figure = f"unscaled with fused AdamW ({', '.join(ON_DEVICE)}): at most {max(max(c) for c in counted.values())}"
+    if cuda:
+        details["unscaled_fused_cuda_sync_debug_mode"] = debug
+        figure += f" (sync debug mode: at most {max(debug.values())})"
+    return figure
 
 
 # ------------------------------------------------------------------ cost

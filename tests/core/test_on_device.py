@@ -1,0 +1,148 @@
+"""Steps decided on the device (plugins/ondevice.py, docs/design.md section 7) against the
+host path they replace: the same training up to float rounding, the same diagnostics, a
+non-finite h_t skipped on the device with its warning arriving, and the layouts users have
+(channels_last, a state dict saved and loaded mid-run, a parameter joining later)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from plugins import SAM, VASSO
+from plugins.perturbation import rng_state
+from core_helpers import build, closure_for, first_backward, flat, fused_adamw_on, make_batches, make_model
+
+DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap", "nonfinite", "rho")
+
+
+def train(kind, path, steps=8, base=torch.optim.SGD, model=None, **kw):
+    model = model or make_model(dropout=0.1)
+    opt = build(kind, model.parameters(), base, lr=0.05, rho=0.2, **kw)
+    opt._decide_on_device = path == "device"
+    diags = []
+    for x, y in make_batches(steps):
+        opt.step(closure_for(opt, model, x, y), model=model)
+        diags.append(dict(opt.diagnostics))
+    return model, opt, diags
+
+
+@pytest.mark.parametrize("exact_restore", [False, True])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM"])
+def test_the_device_path_trains_as_the_host_path_does(kind, exact_restore):
+    host_model, host_opt, host_diags = train(kind, "host", exact_restore=exact_restore)
+    dev_model, dev_opt, dev_diags = train(kind, "device", exact_restore=exact_restore)
+    assert dev_opt._lists.flat_slope is not None
+    assert host_opt._lists.flat_slope is None  # the host path never made one
+    torch.testing.assert_close(flat(dev_model.parameters()), flat(host_model.parameters()), rtol=1e-5, atol=1e-6)
+    for t, (a, b) in enumerate(zip(host_diags, dev_diags)):
+        assert set(a) == set(b) == set(DIAGNOSTICS)
+        for key in DIAGNOSTICS:
+            if math.isnan(a[key]):
+                assert math.isnan(b[key]), (t, key, a[key], b[key])
+            else:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (t, key)
+    assert any(not math.isnan(d["stability"]) for d in dev_diags)
+
+
+def test_flat_slope_buffers_keep_channels_last():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
+                                torch.nn.Flatten(), torch.nn.Linear(100, 5)).to(memory_format=torch.channels_last)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) and not model[0].weight.is_contiguous()
+    x = torch.randn(6, 3, 9, 9).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 5, (6,))
+    opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
+    for _ in range(3):
+        opt.step(closure_for(opt, model, x, y))
+    views = opt._lists.flat_slope.views
+    for q, v in zip(opt._lists.params, views):
+        assert v.shape == q.shape and v.stride() == q.stride()
+        assert opt.state[q]["sam_slope"] is v  # the buffers are the flat tensor's views
+    assert all(v.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr() for v in views)
+
+
+@pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+def test_a_state_dict_saved_mid_run_resumes_on_the_device_path(kind, tmp_path):
+    """The slope buffers are views of one flat tensor: saved and loaded as any state, and made
+    flat again by the first step after the load; the resumed run continues bit for bit."""
+    model, opt, _ = train(kind, "device", steps=3)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()},
+               tmp_path / "ckpt.pt")
+    rest = make_batches(6)[3:]
+    for x, y in rest:
+        opt.step(closure_for(opt, model, x, y), model=model)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    model2 = make_model(dropout=0.1)
+    model2.load_state_dict(saved["model"])
+    opt2 = build(kind, model2.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
+    opt2.load_state_dict(saved["opt"])
+    torch.set_rng_state(saved["rng"])  # the same dropout masks
+    for x, y in rest:
+        opt2.step(closure_for(opt2, model2, x, y), model=model2)
+    assert opt2._lists.flat_slope is not None
+    assert torch.equal(flat(model2.parameters()), flat(model.parameters()))
+    assert opt2.state_dict()["state"][0]["sam_counters"] == opt.state_dict()["state"][0]["sam_counters"]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["for-loop base", "fused base"])
+def test_a_nonfinite_second_gradient_is_skipped_on_the_device(fused):
+    model = make_model()
+    base, kw = (fused_adamw_on("cpu"), dict(fused=True)) if fused else (torch.optim.AdamW, {})
+    opt = SAM(model.parameters(), base, lr=0.05, rho=0.2, **kw)
+    batches = make_batches(3)
+    opt.step(closure_for(opt, model, *batches[0]))
+    opt.step(closure_for(opt, model, *batches[1]))  # decided on the device from here
+    before = flat(model.parameters())
+    base_state = {k: v.clone() for k, v in opt.base_optimizer.state[next(iter(model.parameters()))].items()}
+    rng = rng_state()
+    x, y = batches[2]
+    opt.zero_grad()
+    first_backward(model, x, y)
+    assert opt.perturb()
+    opt.zero_grad()
+    with opt.second_pass(model, rng):
+        first_backward(model, x, y)
+    model[0].weight.grad[1, 2] = float("inf")
+    with pytest.warns(RuntimeWarning, match="non-finite second-pass gradient at step 3"):
+        taken = opt.descend()
+        assert opt.nonfinite_steps == 1
+    assert taken is (None if fused else False)
+    torch.testing.assert_close(flat(model.parameters()), before, rtol=0, atol=1e-6)  # back at x_t, no base step
+    after = opt.base_optimizer.state[next(iter(model.parameters()))]
+    assert all(torch.equal(base_state[k], after[k]) for k in base_state)
+    diag = dict(opt.diagnostics)
+    assert diag["two_pass"] == 1.0 and math.isfinite(diag["ascent_norm"])  # the ascent was made
+    # the next finite step trains again, with no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(closure_for(opt, model, *batches[0]))
+    assert opt.nonfinite_steps == 1 and not torch.equal(flat(model.parameters()), before)
+
+
+def test_a_parameter_that_joins_later_takes_the_host_path_once():
+    """A set of parameters with a gradient that grows (a frozen layer unfrozen) gets d_0 = g_0
+    for the newcomer on the host path, then the device path again over all of them."""
+    model = make_model()
+    first = list(model.parameters())[0]
+    first.requires_grad_(False)
+    opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
+    batches = make_batches(4)
+    for x, y in batches[:2]:
+        opt.step(closure_for(opt, model, x, y))
+    assert opt._lists.flat_slope is not None and all(q is not first for q in opt._lists.params)
+    first.requires_grad_(True)
+    x, y = batches[2]
+    rng = rng_state()
+    opt.zero_grad()
+    first_backward(model, x, y)
+    g0 = first.grad.clone()
+    assert opt.perturb()  # the newcomer has no slope yet: the host path
+    assert opt._lists.flat_slope is None
+    opt.zero_grad()
+    with opt.second_pass(model, rng):
+        first_backward(model, x, y)
+    assert opt.descend()
+    assert torch.equal(opt.state[first]["sam_slope"], g0)  # d_0 = g_0
+    opt.step(closure_for(opt, model, *batches[3]))
+    assert opt._lists.flat_slope is not None and any(q is first for q in opt._lists.params)
