@@ -712,11 +712,11 @@ class SharpnessAware(torch.optim.Optimizer):
     def _decides_on_device(self, step: StepInFlight) -> bool:
         """Whether this step keeps its decisions on the device (:mod:`plugins.ondevice`,
         ``docs/design.md``, section 7): one process or replicas, one device and dtype
-        (float32/64), plain geometry, no GradScaler (its verdict is the host's), no GSAM,
-        and a slope buffer for every parameter already (the first step, which makes
+        (float32/64), plain geometry, no GradScaler (its verdict is the host's), and a slope
+        buffer for every parameter already (the first step, which makes
         them, ``d_0 = g_0`` from a finite ``g_0``, reads on the host once)."""
         if not (self._decide_on_device and step.lists.on_device and step.loss_scale is None
-                and not self.adaptive and self.gsam_alpha == 0.0 and self.partition_group is None):
+                and not self.adaptive and self.partition_group is None):
             return False
         if self.track_stability and self.theta is not None and self.p < 1.0:
             return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
@@ -825,6 +825,13 @@ class SharpnessAware(torch.optim.Optimizer):
         if step.kind is Kind.PERTURBED:
             second = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
             ondevice.check_finite_(second, found_inf, step.lists.constants()[1])  # h_t's too
+            if self.gsam_alpha > 0.0 and step.rho > 0.0 and second:  # GSAM: h_t - alpha g_t^perp (rho 0: h == g)
+                second, firsts, plan = self._second_grads(step)
+                h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
+                present = [i for i, h in enumerate(step.lists.local_grads(missing_ok=True)) if h is not None]
+                if len(present) < len(second):  # zeros stood in for the missing h: correct the others
+                    second, firsts = [second[i] for i in present], [firsts[i] for i in present]
+                P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=h_norm, g_dot_h=g_dot_h)
         taken = ondevice.base_step(self.base_optimizer, found_inf)
         _moved_parameters()
         if taken is None:  # decided on the device: counted, and warned about, once the verdict arrives

@@ -265,6 +265,13 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
     if h_norm is None or g_dot_h is None:
         sums = Sums().norm("h", list(second_grads)).inner("g_dot_h", list(first_grads), list(second_grads))
         h_norm, g_dot_h = sums.reduce().tolist()
+    if torch.is_tensor(h_norm):  # 0-dim device tensors (a step decided on the device): no host decision
+        h_sq = h_norm * h_norm
+        moved = h_sq > 0.0  # h == 0: left as it is, as below
+        factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq))
+        torch._foreach_mul_(list(second_grads), factor)
+        torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), moved * -alpha))
+        return
     h_sq = h_norm * h_norm
     if h_sq == 0.0:
         return

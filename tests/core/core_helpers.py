@@ -81,11 +81,11 @@ def coin_seed(p: float, skipped: int = 2) -> int:
 
 def decided_on_device(kind: str, dtype=torch.float32, scaled: bool = False) -> bool:
     """Whether the member's steps are decided on the device (``plugins.ondevice``) once its
-    slope buffers exist: fp32/fp64 parameters, no GradScaler, plain geometry, no GSAM, and
-    not eVASSO's buffered stability (``SharpnessAware._decides_on_device``)."""
+    slope buffers exist: fp32/fp64 parameters, no GradScaler, plain geometry, and not
+    eVASSO's buffered stability (``SharpnessAware._decides_on_device``)."""
     cls, knobs = VARIANTS[kind]
     return (not scaled and dtype in (torch.float32, torch.float64) and not knobs.get("adaptive")
-            and not knobs.get("gsam_alpha") and not (cls is VASSO and knobs.get("p", 1.0) < 1.0))
+            and not (cls is VASSO and knobs.get("p", 1.0) < 1.0))
 
 
 def expected_syncs(kind: str, coins, dtype=torch.float32, scaled: bool = False, fused: bool = False):

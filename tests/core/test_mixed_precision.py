@@ -546,7 +546,7 @@ def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
 
 @CUDA
 @pytest.mark.parametrize("api", APIS)
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
 def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, kind):
     """The bf16 path of issue 33: autocast, no scaler, fused AdamW: torch's own sync debug
     mode sees nothing between the first backward and the end of the step."""

@@ -28,7 +28,7 @@ def train(kind, path, steps=8, base=torch.optim.SGD, model=None, **kw):
 
 
 @pytest.mark.parametrize("exact_restore", [False, True])
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
 def test_the_device_path_trains_as_the_host_path_does(kind, exact_restore):
     host_model, host_opt, host_diags = train(kind, "host", exact_restore=exact_restore)
     dev_model, dev_opt, dev_diags = train(kind, "device", exact_restore=exact_restore)

@@ -174,7 +174,7 @@ def test_host_synchronizations_per_step(kind, dtype):
 
 
 @pytest.mark.parametrize("api", ["closure", "explicit"])
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
 def test_a_base_that_takes_found_inf_leaves_the_step_without_a_host_sync(kind, api):
     """The issue's bf16/fp32 path: no GradScaler, nobody reads the diagnostics, a base that
     skips on the device (torch's fused AdamW): 0 host syncs per step once the slope buffers

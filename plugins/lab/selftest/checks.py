@@ -387,8 +387,8 @@ def check_host_syncs(device: str) -> Figure:
     return figure, details
 
 
-#: the members whose steps are decided on the device (no scaler, plain geometry, no GSAM)
-ON_DEVICE = ("SAM", "VASSO", "eSAM")
+#: the members whose steps are decided on the device (no scaler, plain geometry, not eVASSO's stability)
+ON_DEVICE = ("SAM", "VASSO", "eSAM", "GSAM", "V+G")
 
 
 def _unscaled_fused_syncs(device: str, cuda: bool, details: Dict, failures: List[str]) -> str:
