@@ -758,34 +758,28 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _rule_on_device(self, step: StepInFlight):
         """The paper's rule as :meth:`_rule` states it, with its one decision on the device:
-        a non-finite ``g_t`` stands in as ``d_{t-1}`` (SAM: as the kept slope) before
-        anything uses it, so that ``d_t = d_{t-1}`` and the ascent's scale is 0.  Returns
-        ``g_t``'s finiteness, ``||v_t||`` and ``<g_t, v_{t-1}>`` (stability), on the device."""
+        the slope buffer takes ``v_t`` in place, and where ``g_t`` was not finite one
+        ``torch.where`` puts ``v_{t-1}`` back before anything uses it, so that ``d_t =
+        d_{t-1}`` and the ascent's scale is 0.  Returns ``g_t``'s finiteness, ``||v_t||`` and
+        ``<v_t, v_{t-1}>`` (the stability's), on the device."""
         lists, theta = step.lists, self.theta
-        v = lists.flat_slope                                # d_{t-1}; SAM: g of the last ascent
-        g = ondevice.Flat(lists.params)                     # g_t, flat for this step only
-        torch._foreach_copy_(g.views, step.grads)
-        inner = slope_norm = None
+        v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
+        if theta is None and not step.two_pass:             # SAM's slope keeps the last ascent's g: only check g_t
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(step.grads)))
+            return norm < math.inf, None, None
+        previous = v.flat.clone()                           # v_{t-1}, for a non-finite g_t (freed at return)
         if theta is not None:
-            inner = torch.dot(g.flat, v.flat)               # <g_t, d_{t-1}>: finite iff g_t is
-            finite = inner.abs() < math.inf
-            torch.where(finite, g.flat, v.flat, out=g.flat)
-            P.moving_average([v.flat], [g.flat], theta, in_place=True)  # eq. (5a): d_t
-            if step.two_pass:
-                slope_norm = torch.linalg.vector_norm(v.flat)
+            P.moving_average(v.views, step.grads, theta, in_place=True)  # eq. (5a): d_t
         else:
-            slope_norm = torch.linalg.vector_norm(g.flat)   # ||g_t||: finite iff g_t is
-            finite = slope_norm < math.inf
-            if step.two_pass:
-                if self._scalar_stability():
-                    inner = torch.dot(g.flat, v.flat)       # <g_t, g_last>
-                torch.where(finite, g.flat, v.flat, out=v.flat)  # SAM: v_t = g_t
+            torch._foreach_copy_(v.views, step.grads)       # SAM: v_t = g_t
+        slope_norm = torch.linalg.vector_norm(v.flat)       # ||v_t||: finite iff g_t is (v_{t-1} is)
+        finite = slope_norm < math.inf
+        torch.where(finite, v.flat, previous, out=v.flat)   # a non-finite g_t leaves v_{t-1}
         if not step.two_pass:
             return finite, None, None
-        self._keep_for_descent(step, v.views)              # x_t for an exact restore
+        inner = torch.dot(v.flat, previous) if self._scalar_stability() else None  # <v_t, v_{t-1}>
+        self._keep_for_descent(step, v.views)              # x_t for an exact restore, g_t for GSAM
         unit = P.unit_scale(slope_norm)                     # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
-        if theta is not None:
-            unit.mul_(finite)                               # (d_t = d_{t-1} is finite: keep it from moving)
         P.move_(step.params, v.views, unit, rho=step.rho)   # x_t + eps_t
         step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
         _moved_parameters()
@@ -795,7 +789,7 @@ class SharpnessAware(torch.optim.Optimizer):
         """The step's diagnostics as :meth:`_diagnose` gives them, computed only when read
         (:meth:`plugins.diagnostics.Diagnostics.later`); the last applied ascent's
         ``[s, ||v||]`` is kept on the device for the next step's stability."""
-        rho, theta, finite, unit = step.rho, self.theta, step.finite, step.scale
+        rho, finite, unit = step.rho, step.finite, step.scale
         stability = self.track_stability and inner is not None
         last = self._last_ascent(unit) if self.track_stability else None
         if self.track_stability:  # s = rho / ||v||: the next step's previous ascent
@@ -808,9 +802,8 @@ class SharpnessAware(torch.optim.Optimizer):
             value = nan
             if stability:
                 s_last, norm_last = last.double().unbind(0)
-                inner_v = inner.double() if theta is None else P.moving_average_inner(theta, norm_last,
-                                                                                      inner.double())
-                value = P.plain_stability(unit.double() * rho, s_last, inner_v, ascent_norm, s_last * norm_last)
+                value = P.plain_stability(unit.double() * rho, s_last, inner.double(), ascent_norm,
+                                          s_last * norm_last)
             taken = torch.stack([torch.ones_like(norm), ascent_norm, P.estimated_sharpness(rho, norm), value,
                                  torch.zeros_like(norm)])
             skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
