@@ -12,7 +12,9 @@
 #   1. the self-test, `python -m plugins.lab.selftest --ranks 2` on every device (its table);
 #   2. every test that needs a GPU (the `gpu` marker: pytest -m gpu plugins tests);
 #   3. tests/selftest's tests of the self-test, reading part 1's report (not running it again);
-#   4. the device benchmark, `python scripts/benchmark.py --device cuda --quick` (about 1-2 minutes:
+#   4. the device benchmark, `python scripts/benchmark.py --device cuda --quick --adamw fused` (about
+#      1-2 minutes; fused AdamW everywhere: the base that takes torch's found_inf, so that the family's
+#      steps run without a host sync, docs/design.md section 7;
 #      the step-cost verdicts where the spread allows one; REFERENCE_VASSO=DIR and REFERENCE_SAM=DIR,
 #      checkouts of BingcongLi/VaSSO and davda54/sam, add the anchors' rows). Its verdicts inform,
 #      they do not fail the check (scripts/benchmark.py --fail-on-miss does).
@@ -112,7 +114,7 @@ part "gpu tests (-m gpu)" env VASSO_REQUIRE_GPU=1 VASSO_SELFTEST_RUN="$run" \
     "$PY" -m pytest -ra -m gpu plugins tests "${PYTEST_ARGS[@]}"
 part "self-test's tests (its report)" env VASSO_SELFTEST_RUN="$run" \
     "$PY" -m pytest -ra tests/selftest/test_selftest_command.py
-part "device benchmark (--quick)" "$PY" scripts/benchmark.py --device cuda --quick \
+part "device benchmark (--quick)" "$PY" scripts/benchmark.py --device cuda --quick --adamw fused \
     ${REFERENCE_VASSO:+--reference-vasso "$REFERENCE_VASSO"} ${REFERENCE_SAM:+--reference-sam "$REFERENCE_SAM"}
 
 echo
