@@ -101,7 +101,8 @@ def fairseq_child(step_log: str, argv: Sequence[str]) -> int:
 def run_fairseq(workdir: str, optimizers: Sequence[str], reps: int, max_update: int, threads: int,
                 log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
     data = prepare_fairseq_data(workdir, log=log)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    # the runs are --cpu: where a GPU is, fairseq's gradient norm would go through it (recipe.cpu_only_env)
+    env = nmt.cpu_only_env(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)))
     log_interval = max(max_update // 8, 2)
     skip = min(3, max_update // 4)  # warm-up updates left out of the per-update medians
     runs: Dict[str, List[float]] = {o: [] for o in optimizers}  # fairseq's ups (wall clock)

@@ -125,12 +125,17 @@ def quiet_children_env(env=None):
     return env
 
 
-def child_env(threads, env=None):
+def child_env(threads, env=None, cpu=False):
     """The environment of every process the demo starts (fairseq-train, fairseq-generate):
     ``threads`` torch threads, whatever the number of cores (torch splits its sums by
-    thread, so the count decides the rounding), and quiet_children_env's filters."""
-    return quiet_children_env(dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads),
-                                   MKL_NUM_THREADS=str(threads)))
+    thread, so the count decides the rounding), and quiet_children_env's filters; with
+    ``cpu`` (``--cpu``), no GPU visible (recipe.cpu_only_env: stock fairseq's ``--cpu``
+    still takes its gradient norm through a visible GPU)."""
+    from fairseq_vasso.nmt.recipe import cpu_only_env
+
+    env = quiet_children_env(dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads),
+                                  MKL_NUM_THREADS=str(threads)))
+    return cpu_only_env(env) if cpu else env
 
 
 def check_dependencies():
@@ -696,7 +701,7 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
     n_runs = len(todo)
     jobs = min(args.jobs, n_runs)
     threads = args.threads
-    env = child_env(threads)
+    env = child_env(threads, cpu=args.cpu)
     results = {key_of(job): read_json(result_path(out, job.method, job.seed, job.nudged)) for job in todo}
     results = {key: r for key, r in results.items() if r is not None}
     ckpt_name = "checkpoint_%s.pt" % args.checkpoint

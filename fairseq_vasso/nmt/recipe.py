@@ -10,9 +10,9 @@
   ``child_argv``: the command line of the children that run fairseq-train in-process (bench, self-test);
 * ``run_logged``: run a fairseq command with its output in a log file (in a process group
   of its own, which ``interruptible()`` ends on Ctrl-C or SIGTERM), and judge
-  a ``fairseq-train`` run by its log: with some torch/fairseq builds the process
-  aborts at exit (rc 134, "terminate called without an active exception") after
-  it logged "done training" and saved its checkpoints; such a run is a success.
+  a ``fairseq-train`` run by its log: stock fairseq-train may abort at exit (rc 134,
+  "terminate called without an active exception"; docs/fairseq.md, "Troubleshooting")
+  after it logged "done training" and saved its checkpoints; such a run is a success.
 """
 
 import collections
@@ -120,6 +120,20 @@ def child_argv(argv, module, first):
     if len(argv) < 2 or argv[1] != "--":
         raise SystemExit(f"usage: python -m {module} {first} -- FAIRSEQ_TRAIN_ARGS...")
     return argv[0], argv[2:]
+
+
+def cpu_only_env(env=None):
+    """``env`` (default ``os.environ``) with no GPU visible (``CUDA_VISIBLE_DEVICES`` empty):
+    the environment of a fairseq child run with ``--cpu``, which then runs as on a CPU-only
+    host.  Stock fairseq's ``--cpu`` leaves CUDA in use where a GPU is visible: its
+    ``utils.clip_grad_norm_``, called on every update, puts the gradient norm on
+    ``torch.cuda.current_device()`` (``--clip-norm X`` with X > 0 then stops with "scalar
+    tensor is expected to be on cpu but is on cuda:0"; at fairseq's default of 0 every update
+    still goes through the GPU), and its default ``--distributed-world-size`` is the number
+    of visible GPUs."""
+    env = dict(os.environ if env is None else env)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def fairseq_bin(name):

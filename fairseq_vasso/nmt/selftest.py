@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from plugins.lab.selftest.checks import CheckFailed, Skipped
 
 from .logs import parse_fairseq_log_text
-from .recipe import child_argv, toy_train_args
+from .recipe import child_argv, cpu_only_env, toy_train_args
 from .toy_corpus import write_corpus
 
 #: precision mode -> fairseq-train flags (fp32 on the CPU and on CUDA, the loss-scaled modes on CUDA)
@@ -54,18 +54,17 @@ def fairseq_missing() -> Optional[str]:
 
 def _env(device: str) -> Dict[str, str]:
     """The child's environment: this package first on PYTHONPATH, one thread, and only the
-    device it runs on visible: none for the CPU, since fairseq's ``--cpu`` still puts the
-    gradient norm of ``--clip-norm`` on ``torch.cuda.current_device()`` wherever CUDA is
-    available (its ``utils.clip_grad_norm_``)."""
+    device it runs on visible: none for the CPU (:func:`~fairseq_vasso.nmt.recipe.cpu_only_env`:
+    fairseq's ``--cpu`` still puts the gradient norm of ``--clip-norm`` on
+    ``torch.cuda.current_device()`` wherever CUDA is available)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = str(int(device.split(":")[1]) if ":" in device else 0)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
+        return env
+    return cpu_only_env(env)
 
 
 #: A failing run's one line of what to do, by what its output says (the first match), else the last.

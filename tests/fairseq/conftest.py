@@ -7,6 +7,7 @@ Skipped as a whole when fairseq is not importable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import random
 import sys
 from pathlib import Path
 
+import cpu_only
 import process_group
 import pytest
 
@@ -116,7 +118,8 @@ def model_args(data, save_dir, *, optimizer="vasso", max_update=8, extra=()):
     from fairseq_vasso.nmt.recipe import toy_train_args
 
     args = toy_train_args(data, save_dir, optimizer_flags=["--optimizer", optimizer], lr=2e-3, max_update=max_update)
-    return args + ["--cpu", "--no-epoch-checkpoints", *extra]
+    # one process unless extra says otherwise: fairseq's default is the number of GPUs it saw when imported
+    return args + ["--cpu", "--distributed-world-size", "1", "--no-epoch-checkpoints", *extra]
 
 
 class _Capture(logging.Handler):
@@ -152,7 +155,9 @@ class TrainResult:
 
 
 def train(argv):
-    """Run fairseq-train in this process (as fairseq_cli.train.cli_main does)."""
+    """Run fairseq-train in this process (as fairseq_cli.train.cli_main does); with ``--cpu``,
+    as on a CPU-only host wherever the test runs (cpu_only.in_process: fairseq's --cpu would
+    otherwise take its gradient norm through a GPU it sees)."""
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
@@ -167,7 +172,8 @@ def train(argv):
     root.addHandler(cap)
     root.setLevel(logging.INFO)
     try:
-        distributed_utils.call_main(cfg, train_cli.main)
+        with cpu_only.in_process() if "--cpu" in argv else contextlib.nullcontext():
+            distributed_utils.call_main(cfg, train_cli.main)
     finally:
         root.removeHandler(cap)
         root.setLevel(old_level)
@@ -182,13 +188,15 @@ def load_checkpoint(path):
 
 
 def run_cli(module, argv, *, env=None, timeout=300):
-    """Run ``python -m module argv`` in the test's temporary folder (its working directory);
-    returns CompletedProcess."""
+    """Run ``python -m module argv`` in the test's temporary folder (its working directory),
+    with no GPU visible where argv has ``--cpu`` (cpu_only.env); returns CompletedProcess."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
     full_env.setdefault("OMP_NUM_THREADS", "1")
     if env:
         full_env.update(env)
+    if "--cpu" in argv:
+        full_env = cpu_only.env(full_env)
     return process_group.run([sys.executable, "-m", module, *argv], env=full_env,
                              capture_output=True, text=True, timeout=timeout)
 

@@ -6,6 +6,7 @@ both halves of the batch), and 2 ranks match 1 rank with --update-freq 2 on the 
 data.  The training set is the 40-sentence split in batches of 20: rank r gets
 batch r of each epoch, the single rank gets both in one update."""
 
+import cpu_only
 import process_group
 import pytest
 
@@ -78,7 +79,7 @@ def _two_ranks_and_one(fs, data, tmp_path, extra=(), env=()):
                                                 os.environ.get("PYTHONPATH", "")]),
                  "FSV_DUMP": str(tmp_path / f"rank{rank}.pt"), "OMP_NUM_THREADS": "1", **dict(env)}
         procs.append(process_group.popen([sys.executable, str(driver), *argv], cwd=str(tmp_path),
-                                         env={**os.environ, **env_r},
+                                         env=cpu_only.env({**os.environ, **env_r}),  # --cpu ranks
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         # meanwhile, the single-rank reference in this process

@@ -5,6 +5,7 @@ print(os.path.dirname(fairseq_vasso.__file__))"``), outside the repository."""
 import os
 import sys
 
+import cpu_only
 import process_group
 import pytest
 from checkout import copy_clone
@@ -31,8 +32,8 @@ def test_installed_user_dir_trains_outside_the_repo(toy_data, tmp_path, fs):
     assert user_dir == str(target / "fairseq_vasso"), where.stderr[-1000:]
     argv = fs.model_args(toy_data, tmp_path / "ck", max_update=3, extra=["--rho", "0.1", "--log-format", "simple"])
     argv[argv.index("--user-dir") + 1] = user_dir
-    run = process_group.run([sys.executable, "-m", "fairseq_cli.train", *argv], cwd=str(tmp_path), env=env,
-                            capture_output=True, text=True, timeout=300)
+    run = process_group.run([sys.executable, "-m", "fairseq_cli.train", *argv], cwd=str(tmp_path),
+                            env=cpu_only.env(env), capture_output=True, text=True, timeout=300)
     text = run.stdout + run.stderr
     assert "done training" in text, text[-3000:]  # (fairseq may abort at exit after this line)
     assert "ascent_norm=0.1" in text and "num_updates=3" in text

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import textwrap
 
+import cpu_only
 import torch
 from ports import free_port
 
@@ -114,6 +115,8 @@ class _Run:
                    # the driver imports tests.fairseq.conftest, which imports tests/helpers/process_group.py
                    "PYTHONPATH": os.pathsep.join([str(fs.REPO), os.path.join(str(fs.REPO), "tests", "helpers"),
                                                   os.environ.get("PYTHONPATH", "")])}
+            if not gpu:  # --cpu: the ranks see no GPU, as on a CPU-only host (tests/helpers/cpu_only.py)
+                env = cpu_only.env(env)
             self.procs.append(subprocess.Popen([sys.executable, str(driver), *argv], cwd=str(self.dir), env=env,
                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                start_new_session=True))

@@ -119,6 +119,23 @@ def test_help_prints_each_default_once():
     assert "(default: --max-len-a 1.2 --max-len-b 10)" in " ".join(text.split())
 
 
+def test_cpu_children_see_no_gpu(monkeypatch, tmp_path):
+    # --cpu: the demo's fairseq-train and fairseq-generate see no GPU (stock fairseq's --cpu still takes the
+    # gradient norm through a visible one: recipe.cpu_only_env); without it, the environment's devices
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert demo.child_env(1, cpu=True)["CUDA_VISIBLE_DEVICES"] == ""
+    assert demo.child_env(1)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert demo.child_env(1, cpu=True)["OMP_NUM_THREADS"] == "1"
+    # and run_all gives it to every fairseq-train it starts under --cpu (the training stubbed: it fails at once)
+    seen = []
+    monkeypatch.setattr(demo, "train_one", lambda *a, **kw: seen.append(a[5]["CUDA_VISIBLE_DEVICES"]) or (False, "stub"))
+    for flags, device in ((["--cpu"], ""), ([], "0")):
+        args = demo.parse_args(["--methods", "sam", "--seeds", "1", "--control", "none", *flags])
+        with pytest.raises(SystemExit, match="training failed"):
+            demo.run_all("data", "ref", str(tmp_path / "out"), args, "user_dir", "bleu", lambda msg: None)
+        assert seen.pop() == device
+
+
 def test_children_get_a_fixed_thread_count_whatever_the_cores(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert demo.build_parser().parse_args([]).threads == 1
@@ -259,7 +276,7 @@ def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_r
         args = recipe.toy_train_args(os.path.join(done, "data-bin"), tmp_path / name, lr=5e-3, max_update=3, seed=1,
                                      optimizer_flags=["--optimizer", "vasso", "--rho", "0.1", "--theta", "0.4"])
         log = str(tmp_path / (name + ".log"))
-        env, cwd = demo.child_env(1), None
+        env, cwd = demo.child_env(1, cpu=True), None  # as the demo's --cpu runs its children
         if name != "stock":
             env, cwd = dict(env, PYTHONPATH=os.pathsep.join([str(decoy), env.get("PYTHONPATH", "")])), str(decoy)
         rc = recipe.run_logged(prefix + args + ["--cpu", "--no-epoch-checkpoints"], log, env=env, cwd=cwd)
