@@ -550,24 +550,15 @@ def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
 def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, kind):
     """The bf16 path of issue 33: autocast, no scaler, fused AdamW: torch's own sync debug
     mode sees nothing between the first backward and the end of the step."""
-    from core_helpers import closure_for, first_backward
+    from core_helpers import closure_for
+    from plugins.lab.selftest.checks import protocol_step
     model = make_model().cuda()
     opt = build(kind, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.2, fused=True)
     batches = [(x.cuda(), y.cuda()) for x, y in make_batches(6)]
 
     def step(x, y):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            if api == "closure":
-                opt.step(closure_for(opt, model, x, y))
-                return
-            rng = rng_state()
-            opt.zero_grad()
-            first_backward(model, x, y)
-            if opt.perturb():
-                opt.zero_grad()
-                with opt.second_pass(model, rng):
-                    first_backward(model, x, y)
-            opt.descend()
+            protocol_step(opt, model, closure_for(opt, model, x, y), api)
 
     for x, y in batches[:4]:  # the slope buffers, lazy initializations
         step(x, y)

@@ -6,6 +6,7 @@ import torch
 
 from plugins import SAM, VASSO
 from plugins import rng_state
+from plugins.lab.selftest.checks import protocol_step
 from plugins.perturbation import second_pass_coin
 from core_helpers import (FAMILY, CountSyncCalls, CountSyncs, build, closure_for, expected_syncs, first_backward, flat,
                           fused_adamw_on, make_batches, make_model, skip_without_cpu_matmul, steps_on_device)
@@ -186,16 +187,7 @@ def test_a_base_that_takes_found_inf_leaves_the_step_without_a_host_sync(kind, a
     counts, reads = [], []
     for x, y in make_batches(6):
         with CountSyncs() as syncs:
-            if api == "closure":
-                opt.step(closure_for(opt, model, x, y))
-            else:
-                rng = rng_state()
-                first_backward(model, x, y)
-                if opt.perturb():
-                    opt.zero_grad()
-                    with opt.second_pass(model, rng):
-                        first_backward(model, x, y)
-                opt.descend()
+            protocol_step(opt, model, closure_for(opt, model, x, y), api)
         counts.append(syncs.count)
         with CountSyncs() as reading:
             diag = dict(opt.diagnostics)

@@ -312,11 +312,12 @@ def check_mixed_precision(device: str) -> Figure:
 MAX_SYNCS = 2
 
 
-def scaled_step(opt, model, scaler, backward, api: str) -> None:
-    """One loss-scaled step in either API, then ``scaler.update()``: the protocol of
-    docs/mixed_precision.md, as the checks and the tests run it.  ``backward()`` runs the
-    forward and ``scaler.scale(loss).backward()`` (it may return the loss: the closure
-    API's loss gap); ``step(closure)`` clears the gradients before each call itself."""
+def protocol_step(opt, model, backward, api: str, scaler=None) -> None:
+    """One step in either API (docs/design.md, section 3), with a loss scaler or without
+    (then ``descend()``): the protocol as the checks and the tests run it.  ``backward()``
+    runs the forward and the backward (``scaler.scale(loss).backward()`` with a scaler; it
+    may return the loss: the closure API's loss gap); ``step(closure)`` clears the
+    gradients before each call itself.  With a scaler, ``scaler.update()`` follows."""
     if api == "closure":
         opt.step(backward, scaler=scaler)
     else:
@@ -327,8 +328,15 @@ def scaled_step(opt, model, scaler, backward, api: str) -> None:
             opt.zero_grad()
             with opt.second_pass(model, rng):
                 backward()
-        scaler.step(opt)
-    scaler.update()
+        scaler.step(opt) if scaler is not None else opt.descend()
+    if scaler is not None:
+        scaler.update()
+
+
+def scaled_step(opt, model, scaler, backward, api: str) -> None:
+    """One loss-scaled step in either API, then ``scaler.update()``: the protocol of
+    docs/mixed_precision.md (:func:`protocol_step` with a scaler)."""
+    protocol_step(opt, model, backward, api, scaler)
 
 
 def _one_step(opt, model, scaler, x, y, api):
@@ -413,17 +421,7 @@ def _unscaled_fused_syncs(device: str, cuda: bool, details: Dict, failures: List
                     loss = F.cross_entropy(model(x), y)
                     loss.backward()
                     return loss
-                if api == "closure":
-                    opt.step(backward)
-                    return
-                rng = rng_state()
-                opt.zero_grad()
-                backward()
-                if opt.perturb():
-                    opt.zero_grad()
-                    with opt.second_pass(model, rng):
-                        backward()
-                opt.descend()
+                protocol_step(opt, model, backward, api)
 
             for x, y in data[:3]:  # the first two-pass step makes the slope buffers (host path)
                 step(x, y)
