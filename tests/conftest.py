@@ -34,28 +34,34 @@ from checkout import REPO, changes, untracked_files
 from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
 
 
-# Minutes each on 2 idle cores (a fairseq-train, a demo, fairseq's own suite twice, a self-test,
-# ranks that train side by side): started first on CI's workers, in this order. A name that no
-# longer exists fails the session (pytest_configure), so that the list follows the files.
+# The files that took longest on CI's two workers (2026-11-27, each file's tests end to end: a
+# demo, a fairseq-train of 320 updates, ranks training side by side, fairseq's and DomainBed's
+# own suites, the self-test, many commands each importing torch): started first, in this order.
+# A name that no longer exists fails the session (pytest_configure), so that the list follows
+# the files.
 LONGEST_FIRST = [
     "tests/scripts/test_demo.py",  # with test_eval_bleu.py (SAME_WORKER): demo_run, a nudged train, a resume
     "tests/scripts/test_demo_readme.py",  # one demo run of 320 updates, its numbers against the README's
     "tests/fairseq/test_fairseq_sharding.py",
-    "tests/fairseq/test_fairseq_own_suite.py",
-    "tests/selftest/test_selftest_command.py",
-    "tests/distributed/test_sharded_step.py",
-    "tests/fairseq/test_fairseq_distributed.py",
-    "tests/distributed/test_state_checkpoints.py",
     "tests/core/test_imports.py",
     "tests/fairseq/test_fairseq_hooks.py",
+    "tests/fairseq/test_fairseq_own_suite.py",
+    "tests/selftest/test_selftest_command.py",
     "tests/fairseq/test_fairseq_foreign_warnings.py",
-    "tests/test_gpu_marker.py",
+    "tests/digits/test_digits.py",
+    "tests/fairseq/test_fairseq_fp16.py",
     "tests/fairseq/test_fairseq_checkpoint.py",
+    "tests/distributed/test_sharded_step.py",
+    "tests/test_gpu_marker.py",
+    "tests/fairseq/test_fairseq_distributed.py",
+    "tests/distributed/test_state_checkpoints.py",
     "tests/distributed/test_flat_shards.py",
-    # the DomainBed stage's own (tests/domainbed, on 2 workers too)
+    # the DomainBed stage's (tests/domainbed, on 2 workers too)
     "tests/domainbed/test_domainbed_own_suite.py",
     "tests/domainbed/test_domainbed_end_to_end.py",
+    "tests/domainbed/test_domainbed_entry_points.py",
     "tests/domainbed/test_domainbed_register.py",
+    "tests/domainbed/test_domainbed_hparam_keys.py",
 ]
 # Files whose tests share a session fixture of minutes: one worker runs them all, one after the
 # other (tests/scripts/conftest.py's demo_run)
