@@ -32,11 +32,18 @@ pipq() {
         2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
 }
 has() { "$py" -c "import $1" >/dev/null 2>&1; }
+# "torch X | fairseq Y | python Z" where all three import (one interpreter: each import of
+# torch costs seconds, and scripts/test.sh runs this script before every test command)
+versions() {
+    "$py" -W ignore::FutureWarning -c "import sys, torch, fairseq, plugins; print('torch', torch.__version__, \
+'| fairseq', fairseq.__version__, '| python', sys.version.split()[0])"
+}
 
 # Nothing to do when this checkout's install recipe has not changed since the last full run.
 stamp_file="$VENV/.vasso-setup-stamp"
 stamp=$( (cat setup.cfg pyproject.toml scripts/setup_env.sh; pwd) | sha256sum | cut -c1-16)
-if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && has torch && has fairseq && has plugins; then
+ready=""
+if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && ready=$(versions 2>/dev/null); then
     stage "packages up to date (setup.cfg unchanged since the last setup)"
 else
     if has torch && has torchvision; then
@@ -67,4 +74,5 @@ if [ "$WITH_DOMAINBED" = 1 ]; then
     stage "installing DomainBed"
     VENV=$VENV bash scripts/install_domainbed.sh ${DOMAINBED_SOURCE:+"$DOMAINBED_SOURCE"}
 fi
-"$py" -W ignore::FutureWarning -c "import torch, fairseq, plugins; print('[setup $((SECONDS - START)) s] environment ready: torch', torch.__version__, '| fairseq', fairseq.__version__, '| python', __import__('sys').version.split()[0])"
+[ -n "$ready" ] || ready=$(versions)  # after an install: its errors shown, and set -e stops here
+stage "environment ready: $ready"

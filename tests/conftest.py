@@ -18,6 +18,12 @@ selects the GPU tests by it (``-m gpu``). A test that skips for lack of a GPU wi
 marker fails, so that none is left out of that selection (CI's CPU stages catch it); under
 ``VASSO_REQUIRE_GPU=1`` (scripts/test_gpu.sh, where nvidia-smi lists a GPU) a ``gpu`` test
 that skips for lack of one fails too.
+
+And the order of the files on CI's two xdist workers (``-n 2 --dist loadfile``: each file on
+one worker, its module and session fixtures built once there): the files that take minutes
+start first, longest first (``LONGEST_FIRST``), so that neither worker is left with one of them
+at the end while the other idles; the files that share a session fixture which takes minutes
+to build run on the same worker (``SAME_WORKER``), so that it is built once.
 """
 
 import os
@@ -26,6 +32,88 @@ import pytest
 from checkout import REPO, changes, untracked_files
 # the gpu marker's hooks, defined in tests/helpers/gpu_marker.py (tests/test_gpu_marker.py runs them on their own)
 from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
+
+
+# The files that took longest on CI's two workers (2026-11-27, each file's tests end to end: a
+# demo, a fairseq-train of 320 updates, ranks training side by side, fairseq's and DomainBed's
+# own suites, the self-test, many commands each importing torch): started first, in this order.
+# A name that no longer exists fails the session (pytest_configure), so that the list follows
+# the files.
+LONGEST_FIRST = [
+    "tests/scripts/test_demo.py",  # with test_eval_bleu.py (SAME_WORKER): demo_run, a nudged train, a resume
+    "tests/scripts/test_demo_readme.py",  # one demo run of 320 updates, its numbers against the README's
+    "tests/fairseq/test_fairseq_sharding.py",
+    "tests/core/test_imports.py",
+    "tests/fairseq/test_fairseq_hooks.py",
+    "tests/fairseq/test_fairseq_own_suite.py",
+    "tests/selftest/test_selftest_command.py",
+    "tests/fairseq/test_fairseq_foreign_warnings.py",
+    "tests/digits/test_digits.py",
+    "tests/fairseq/test_fairseq_fp16.py",
+    "tests/fairseq/test_fairseq_checkpoint.py",
+    "tests/distributed/test_sharded_step.py",
+    "tests/test_gpu_marker.py",
+    "tests/fairseq/test_fairseq_distributed.py",
+    "tests/distributed/test_state_checkpoints.py",
+    "tests/distributed/test_flat_shards.py",
+    # the DomainBed stage's (tests/domainbed, on 2 workers too)
+    "tests/domainbed/test_domainbed_own_suite.py",
+    "tests/domainbed/test_domainbed_end_to_end.py",
+    "tests/domainbed/test_domainbed_entry_points.py",
+    "tests/domainbed/test_domainbed_register.py",
+    "tests/domainbed/test_domainbed_hparam_keys.py",
+]
+# Files whose tests share a session fixture of minutes: one worker runs them all, one after the
+# other (tests/scripts/conftest.py's demo_run)
+SAME_WORKER = {
+    "tests/scripts/test_demo.py": "tests/scripts: demo_run",
+    "tests/scripts/test_eval_bleu.py": "tests/scripts: demo_run",
+}
+
+
+def _unit(nodeid):
+    """The unit of work of a test on CI's workers: its file, or its SAME_WORKER group."""
+    file = nodeid.split("::", 1)[0]
+    return SAME_WORKER.get(file, file)
+
+
+_RANK = {_unit(file): rank for rank, file in reversed(list(enumerate(LONGEST_FIRST)))}
+
+
+def pytest_configure(config):
+    stale = [f for f in LONGEST_FIRST + list(SAME_WORKER) if not os.path.isfile(os.path.join(REPO, f))]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py names test files that do not exist: {stale}")
+
+
+def _loadfile(config):
+    return getattr(config.option, "dist", None) == "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with SAME_WORKER's groups as units, in the order of the workers'
+    collection (pytest_collection_modifyitems: LONGEST_FIRST first), not xdist's (most
+    tests first, which leaves a file of two long tests to the end)."""
+    if not _loadfile(config):
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            return _unit(nodeid)
+
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6
+        config.option.loadscopereorder = False
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if hasattr(config, "workerinput"):  # on an xdist worker (whose --dist reads "no"): the order the scheduler gets
+        order = {}
+        for item in items:
+            order.setdefault(_unit(item.nodeid), len(order))
+        items.sort(key=lambda item: (_RANK.get(_unit(item.nodeid), len(_RANK)), order[_unit(item.nodeid)]))
 
 
 @pytest.fixture(autouse=True)

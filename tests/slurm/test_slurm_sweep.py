@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import process_group
 import pytest
@@ -211,16 +212,17 @@ def test_bad_parameters_or_no_slurm_stop_before_any_folder(slurm, tmp_path):
     args = [PY, "-m", "domainbed_vasso.sweep", "launch", "--datasets", "Debug28", "--algorithms", "ERM",
             "--n_hparams", "1", "--n_trials", "1", "--command_launcher", "slurm", "--skip_confirmation",
             "--data_dir", str(tmp_path), "--output_dir", str(out)]
-    for value, message in (("{not json", "DOMAINBED_VASSO_SLURM is not valid JSON"),
-                           ('{"slurm_partion": "gpu"}', "submitit rejects these parameters")):
-        proc = run(args, env, DOMAINBED_VASSO_SLURM=value)
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-        assert not out.exists()
     no_slurm = dict(env, PATH=os.path.dirname(PY) + os.pathsep + "/nonexistent")
-    proc = run(args, no_slurm)
-    assert proc.returncode == 2 and "needs Slurm's sbatch, srun, squeue on PATH" in proc.stderr, proc.stderr
-    proc = run(args, env, SLURM_CONF=os.path.join(str(tmp_path), "missing.conf"))
-    assert proc.returncode == 2 and "Slurm does not answer" in proc.stderr, proc.stderr
+    # four launches refused before any folder, side by side (each is a Python that imports torch
+    # and DomainBed: seconds apiece, all spent before the refusal)
+    refusals = [(env, {"DOMAINBED_VASSO_SLURM": "{not json"}, "DOMAINBED_VASSO_SLURM is not valid JSON"),
+                (env, {"DOMAINBED_VASSO_SLURM": '{"slurm_partion": "gpu"}'}, "submitit rejects these parameters"),
+                (no_slurm, {}, "needs Slurm's sbatch, srun, squeue on PATH"),
+                (env, {"SLURM_CONF": os.path.join(str(tmp_path), "missing.conf")}, "Slurm does not answer")]
+    with ThreadPoolExecutor(max_workers=len(refusals)) as pool:
+        procs = list(pool.map(lambda case: run(args, case[0], **case[1]), refusals))
+    for (_, _, message), proc in zip(refusals, procs):
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not out.exists()
     # what only sbatch can refuse comes after DomainBed made the folders: the error says so
     proc = run(args + ["--single_test_envs"], env, DOMAINBED_VASSO_SLURM='{"slurm_partition": "nosuch"}')
