@@ -45,19 +45,15 @@ class Flat:
 
     __slots__ = ("flat", "views")
 
-    def __init__(self, like: Sequence[torch.Tensor], *, dtype: Optional[torch.dtype] = None):
+    def __init__(self, like: Sequence[torch.Tensor]):
         first = like[0]
-        self.flat = torch.empty(sum(t.numel() for t in like), dtype=dtype or first.dtype, device=first.device)
+        self.flat = torch.empty(sum(t.numel() for t in like), dtype=first.dtype, device=first.device)
         self.views: List[torch.Tensor] = []
         at = 0
         for t in like:
             self.views.append(self.flat.as_strided(t.shape, t.stride(), at) if not t.is_contiguous()
                               else self.flat[at:at + t.numel()].view(t.shape))
             at += t.numel()
-
-    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """``tensors`` are this buffer's views (nobody replaced them: a loaded state dict)."""
-        return len(tensors) == len(self.views) and all(a is b for a, b in zip(tensors, self.views))
 
 
 def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> None:

@@ -821,10 +821,7 @@ class SharpnessAware(torch.optim.Optimizer):
             if self.gsam_alpha > 0.0 and step.rho > 0.0 and second:  # GSAM: h_t - alpha g_t^perp (rho 0: h == g)
                 second, firsts, plan = self._second_grads(step)
                 h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
-                present = [i for i, h in enumerate(step.lists.local_grads(missing_ok=True)) if h is not None]
-                if len(present) < len(second):  # zeros stood in for the missing h: correct the others
-                    second, firsts = [second[i] for i in present], [firsts[i] for i in present]
-                P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=h_norm, g_dot_h=g_dot_h)
+                self._gsam_correct(step, second, firsts, h_norm, g_dot_h)
         taken = ondevice.base_step(self.base_optimizer, found_inf)
         _moved_parameters()
         if taken is None:  # decided on the device: counted, and warned about, once the verdict arrives
@@ -906,12 +903,17 @@ class SharpnessAware(torch.optim.Optimizer):
             self._skip_nonfinite("second-pass", step.scaled)
             return False
         if "g_dot_h" in sums:  # GSAM: h_t - alpha g_t^perp
-            present = [i for i, h in enumerate(step.lists.local_grads(missing_ok=True)) if h is not None]
-            if len(present) < len(second):  # zeros stood in for the missing h: correct the others
-                second, firsts = [second[i] for i in present], [firsts[i] for i in present]
-            P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=sums["h"], g_dot_h=sums["g_dot_h"])
+            self._gsam_correct(step, second, firsts, sums["h"], sums["g_dot_h"])
         self._base_step()
         return True
+
+    def _gsam_correct(self, step: StepInFlight, second, firsts, h_norm, g_dot_h) -> None:
+        """GSAM's ``h_t - alpha g_t^perp`` on the gradients the second pass made, from the
+        reduced ``||h_t||`` and ``<g_t, h_t>`` (floats, or device tensors on the device path)."""
+        present = [i for i, h in enumerate(step.lists.local_grads(missing_ok=True)) if h is not None]
+        if len(present) < len(second):  # zeros stood in for the missing h: correct the others
+            second, firsts = [second[i] for i in present], [firsts[i] for i in present]
+        P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=h_norm, g_dot_h=g_dot_h)
 
     def _second_grads(self, step: StepInFlight):
         """``h_t`` (this rank's parts), GSAM's ``g_t`` beside it and the reduction plan: a

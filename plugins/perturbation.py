@@ -139,9 +139,9 @@ def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
     """Move ``params`` to ``x + eps`` in place (the ascent of :func:`ascent_direction`).
 
     Plain geometry (``adaptive_mask`` None): ``x += s v`` with ``s = rho / ||v||``,
-    ``norm`` being ``||v||`` (a float, or a 0-dim device tensor: the step decided on the
-    device, :mod:`plugins.ondevice`), without materializing ``eps``; returns
-    ``(None, s, None)``, ``s`` a float or a 0-dim tensor as ``norm`` is.  Adaptive geometry: ``norm`` is ``||T v||`` when reduced
+    ``norm`` being ``||v||`` (a float), without materializing ``eps``; returns
+    ``(None, s, None)``.  (The step decided on the device moves with :func:`move_` and
+    :func:`unit_scale` instead: no host float.)  Adaptive geometry: ``norm`` is ``||T v||`` when reduced
     already (None: reduced here, over ``plan``/``layout``); returns
     ``(eps, None, ||T v||)``, the norm a 0-dim float64 tensor."""
     params, slopes = list(params), list(slopes)
@@ -181,12 +181,8 @@ def descend_from_ascent_(params: Tensors, slopes: Tensors, scale,
         torch._foreach_add_(params, list(slopes), alpha=-scale)
 
 
-def plain_ascent_scale(rho: float, slope_norm):
-    """Scalar ``s`` with ``eps = s * v`` in plain geometry; 0 when ``v == 0``.  For a 0-dim
-    device tensor ``||v||`` a tensor, 0 also where ``||v||`` is not finite (the step
-    decided on the device: nothing moves then), with no host sync."""
-    if torch.is_tensor(slope_norm):
-        return unit_scale(slope_norm).mul_(rho)
+def plain_ascent_scale(rho: float, slope_norm: float) -> float:
+    """Scalar ``s`` with ``eps = s * v`` in plain geometry; 0 when ``v == 0``."""
     return rho / slope_norm if slope_norm > 0.0 else 0.0
 
 
