@@ -331,7 +331,7 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
         from plugins.lab.bench import profile
 
         results = profile.run(args.device or "cpu", size=args.size, model=(args.models or ["transformer"])[0],
-                              warmup=args.warmup, log=log)
+                              warmup=args.warmup, log=log, adamw=args.adamw)
         text = profile.render(results, command)
     else:
         results = device.run(args.device, size=args.size, models=models, rows=rows, rounds=rounds,

@@ -190,13 +190,13 @@ def count_syncs(phases: StepPhases) -> Dict[str, int]:
 
 def run(device: str = "cpu", size: Optional[str] = None, model: str = "transformer", warmup: int = 3,
         steps: int = 10, method: str = "VASSO", trace_path: Optional[str] = None, profiled: int = 4,
-        log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
+        log: Callable[[str], None] = lambda s: None, adamw: str = "default") -> Dict[str, Any]:
     dev = torch.device(device)
     size = size or ("full" if dev.type == "cuda" else "small")
     cfg = bench_device.SIZES[size][model]
     template = bench_device.build_template(cfg)
     batch = bench_device.make_batch(cfg, dev)
-    row = bench_device.Row(method, template, cfg, batch, dev)
+    row = bench_device.Row(method, template, cfg, batch, dev, adamw=adamw)
     phases = StepPhases(row.opt, row.closure)
     settle = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     for _ in range(warmup):
@@ -235,7 +235,7 @@ def run(device: str = "cpu", size: Optional[str] = None, model: str = "transform
     res.update(device=str(dev), gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
                model=model, model_info=bench_device.describe(cfg, template), size=size, method=method,
                steps=steps, step_host_ms=1e3 * sorted(total)[len(total) // 2], trace=trace_path,
-               torch=torch.__version__)
+               torch=torch.__version__, adamw=adamw)
     return res
 
 
@@ -258,7 +258,7 @@ def render(res: Dict[str, Any], command: str = "") -> str:
     out = [f"## Where one {res['method']} step's time goes: {res['device']}"
            + (f" ({res['gpu']})" if res.get("gpu") else "") + f", {res['model']} ({res['model_info']})", "",
            f"Command: `{command}`" if command else "",
-           f"torch {res['torch']}, AdamW base. Host ms: median of {res['steps']} unprofiled steps "
+           f"torch {res['torch']}, AdamW base ({res.get('adamw', 'default')}). Host ms: median of {res['steps']} unprofiled steps "
            f"(the whole step {res['step_host_ms']:.2f} ms on the host). Counts (ops, launches, kernels, syncs): one "
            f"profiled step; profiled times: medians over {res['profiled_steps']} profiled steps. Own Python: host "
            f"time of the optimizer's own phases less the time inside the top-level ops it dispatched (profiled). "
@@ -294,6 +294,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="unprofiled steps timed by phase (default 10)")
     ap.add_argument("--trace", help="also keep the chrome trace in this file (refused if it exists)")
+    ap.add_argument("--adamw", choices=sorted(bench_device.ADAMW_IMPLS), default="default",
+                    help="torch's AdamW implementation under the method (fused: the base that takes found_inf, "
+                         "the step without a host sync; default: torch's choice)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
@@ -302,7 +305,7 @@ def main(argv=None) -> int:
     if args.trace and os.path.exists(args.trace):
         ap.error(f"--trace {args.trace} exists: give a new file")
     res = run(args.device, args.size, args.model, args.warmup, args.steps, args.method, args.trace,
-              log=lambda s: print(s, file=sys.stderr, flush=True))
+              log=lambda s: print(s, file=sys.stderr, flush=True), adamw=args.adamw)
     print(render(res, "python -m plugins.lab.bench.profile " + " ".join(sys.argv[1:] if argv is None else argv)))
     return 0
 
