@@ -301,7 +301,9 @@ class SharpnessAware(torch.optim.Optimizer):
             previous = self._previous_host
             s = _NAN if previous is None else P.plain_ascent_scale(previous["rho"], previous["slope_norm"])
             norm = _NAN if previous is None else previous["slope_norm"]
-            self._last = torch.tensor([s, norm], dtype=like.dtype, device=like.device)
+            # filled on the device: torch.tensor(..., device=cuda) copies from pageable memory, a host sync
+            self._last = torch.full((2,), s, dtype=like.dtype, device=like.device)
+            self._last[1] = norm
         return self._last
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -720,7 +722,13 @@ class SharpnessAware(torch.optim.Optimizer):
             return False
         if self.track_stability and self.theta is not None and self.p < 1.0:
             return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
-        return self._flat_slope(step.lists) is not None
+        flat = self._flat_slope(step.lists)
+        if flat is None:
+            return False
+        # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
+        # held here, those would stay alive through the second pass (one model's size at the peak)
+        step.previous_slopes = flat.views
+        return True
 
     def _flat_slope(self, lists: StepLists) -> Optional[ondevice.Flat]:
         """The slope buffers as views of one flat tensor, so that a check or a selection

@@ -45,6 +45,31 @@ def test_the_device_path_trains_as_the_host_path_does(kind, exact_restore):
     assert any(not math.isnan(d["stability"]) for d in dev_diags)
 
 
+@pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+def test_the_buffers_the_flat_slope_replaces_are_freed_before_the_second_pass(kind):
+    """The first step decided on the device moves the slope buffers into one flat tensor: the
+    per-parameter buffers it replaces are gone before that step's second pass (held through
+    it, they would add one model's size to the peak memory, as issue 33's H100 run showed)."""
+    import weakref
+
+    model = make_model()
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
+    batches = make_batches(2)
+    opt.step(closure_for(opt, model, *batches[0]))  # the host path: per-parameter slope buffers
+    assert opt._lists.flat_slope is None
+    replaced = [weakref.ref(opt._own_state[q]["slope"]) for q in opt._lists.params]
+    alive = []
+    inner = closure_for(opt, model, *batches[1])
+
+    def closure():
+        if opt.in_second_pass:
+            alive.append(sum(r() is not None for r in replaced))
+        return inner()
+
+    opt.step(closure)
+    assert opt._lists.flat_slope is not None and alive == [0]
+
+
 def test_flat_slope_buffers_keep_channels_last():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
