@@ -244,6 +244,15 @@ def check_config(cfg) -> None:
             refuse("--cpu-offload", "FSDP then keeps the parameter shards on the CPU, and the ascent's sums over "
                    "the ranks would be CPU tensors, which fairseq's NCCL process group does not reduce; drop "
                    "--cpu-offload, or use --zero-sharding os")
+        if ((_setting(cfg, "distributed_training.distributed_world_size", 1) or 1) == 1
+                and not _setting(cfg, "checkpoint.no_save", False)
+                and not _setting(cfg, "distributed_training.use_sharded_state", False)):
+            # checked here, before training: the stock failure comes at the first save, an epoch in
+            refuse("--ddp-backend fully_sharded on one process (--distributed-world-size 1) with checkpoints",
+                   "fairscale 0.4.13 cannot gather the optimizer state of an FSDP that does not shard, and the "
+                   "first checkpoint save stops with \"'FlatParameter' object has no attribute "
+                   "'_full_param_padded'\" (stock --optimizer adam alike); on one GPU use --ddp-backend "
+                   "legacy_ddp / c10d, or add --use-sharded-state (a checkpoint file per rank) or --no-save")
         if _setting(cfg, "optimizer.adaptive", False):
             refuse("--adaptive with --ddp-backend fully_sharded", "ASAM scales weight tensors and leaves biases "
                    "alone, and the slices of FSDP's flat parameters no longer tell them apart; use --zero-sharding "

@@ -37,6 +37,13 @@ def test_fully_sharded_is_let_through_where_cuda_is_and_adaptive_refused(optimiz
     assert _parse(argv) == 2  # no CUDA
     assert "computes on CUDA" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _parse(argv) == 2  # one process, saving: stock fairscale fails at the first save
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--ddp-backend fully_sharded on one process (--distributed-world-size 1)" in last, last
+    assert "_full_param_padded" in last and "--use-sharded-state" in last and "legacy_ddp" in last, last
+    for one_process in (["--use-sharded-state"], ["--no-save"]):
+        assert _parse(argv + ["--distributed-world-size", "1"] + one_process) == optimizer
+    argv += ["--distributed-world-size", "2"]
     assert _parse(argv) == optimizer
     assert _parse(argv + ["--adaptive"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]

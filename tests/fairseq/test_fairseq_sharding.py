@@ -358,6 +358,28 @@ def test_fully_sharded_is_refused_on_cpu_with_the_alternatives(toy_data, tmp_pat
 # everything else is fairscale's, fairseq's and the plugin's own code, as on GPUs.
 
 
+def test_stock_adam_cannot_save_fully_sharded_on_one_process(toy_data, tmp_path_factory):
+    """What the plugin's refusal of fully_sharded on one process with checkpoints
+    (test_fairseq_fully_sharded.py) spares a user: stock adam trains, then stops at its first
+    save inside fairscale, which cannot gather the optimizer state of an FSDP that does not
+    shard (fairscale's FSDP given the CPU, as above; the same on one GPU)."""
+    from tests.fairseq.conftest import REPO, model_args
+
+    class FS:
+        pass
+
+    fs = FS()
+    fs.REPO, fs.model_args = REPO, model_args
+    root = tmp_path_factory.mktemp("one_process")
+    driver = root / "driver.py"
+    driver.write_text(DRIVER)
+    run = _Run(fs, toy_data, root, "adam-fsdp", "adam", 2, FSDP, driver, world=1, cpu_fsdp=True).wait()
+    assert run.procs[0].returncode != 0 and "done training" not in run.out[0]
+    assert "'FlatParameter' object has no attribute '_full_param_padded'" in run.out[0], run.out[0][-3000:]
+    assert "consolidate_optimizer" in run.out[0] and not (root / "adam-fsdp" / "ckpt" / "checkpoint_last.pt").exists()
+    assert len(run.inner()) == 2  # it trained first: the loss of an epoch's work
+
+
 def test_fully_sharded_gives_the_legacy_ddp_run(runs):
     """sam, and vasso with --update-freq 2 --clip-norm 0.5, over fairscale FSDP's flat shards on 2
     gloo ranks: the legacy_ddp run's logged losses and diagnostics (as printed), its unrounded
@@ -444,19 +466,27 @@ def gpu_runs(toy_data, tmp_path_factory):
         return functools.partial(_Run, fs, toy_data, root, name, optimizer, max_update, extra, driver, world=world,
                                  gpu=True)
 
+    # one GPU: fairscale 0.4.13 cannot save an FSDP that does not shard (stock adam alike: the
+    # plugin refuses it, test_fairseq_fully_sharded.py), so those runs save nothing, and only the
+    # --use-sharded-state run is resumed
+    one = world == 1
+    fsdp = FSDP + (["--no-save"] if one else [])
     # the runs of a stage side by side (tiny models: they share the GPUs), the resumed ones after
     first = {f"{name}-{backend}": (optimizer, flags + extra)
              for name, (optimizer, extra) in GPU_CASES.items() for backend, flags in (("legacy", LEGACY),
-                                                                                       ("fsdp", FSDP))}
+                                                                                       ("fsdp", fsdp))}
     # the optimizer state in one file (fairscale consolidates it on rank 0), and one file per rank
     first["vasso-sharded"] = ("vasso", FSDP + VASSO + ["--use-sharded-state"])
     done = {"world": world}
     done.update(zip(first, side_by_side([run(name, opt, extra, 3) for name, (opt, extra) in first.items()], world)))
-    for name in ("vasso-legacy", "vasso-fsdp"):
+    for name in ("vasso-legacy",) + (() if one else ("vasso-fsdp",)):
+        assert (root / name / "ckpt" / "checkpoint_last.pt").exists(), (
+            f"{name} saved no checkpoint:\n" + done[name].out[0][-3000:] + done[name].out[-1][-2000:])
         done[name].saved = torch.load(root / name / "ckpt" / "checkpoint_last.pt", weights_only=False)
-    resumed = (("vasso-legacy", "vasso", LEGACY + VASSO), ("vasso-fsdp", "vasso", FSDP + VASSO),
-               ("vasso-sharded", "vasso", FSDP + VASSO + ["--use-sharded-state"]),
-               ("adam-fsdp", "adam", FSDP + ["--load-checkpoint-on-all-dp-ranks"]))
+    resumed = (("vasso-legacy", "vasso", LEGACY + VASSO),
+               ("vasso-sharded", "vasso", FSDP + VASSO + ["--use-sharded-state"]))
+    if not one:
+        resumed += (("vasso-fsdp", "vasso", FSDP + VASSO), ("adam-fsdp", "adam", FSDP + ["--load-checkpoint-on-all-dp-ranks"]))
     done.update(zip([name + "-resumed" for name, _, _ in resumed],
                     side_by_side([run(name, opt, extra, 6) for name, opt, extra in resumed], world)))
     return done
@@ -514,7 +544,15 @@ def test_fully_sharded_saves_and_resumes_as_stock_adam_does(gpu_runs):
     are legacy_ddp's; with it every rank saves its shard.  Resumed, both continue as the
     legacy_ddp run resumed does (where stock adam resumes under fully_sharded at all: fairseq
     0.12 broadcasts the model's state with torch.load, whose weights_only default refuses
-    fairseq's placeholders on ranks other than 0 when there are 2)."""
+    fairseq's placeholders on ranks other than 0 when there are 2).  On one GPU only the
+    --use-sharded-state half runs: fairscale cannot gather an FSDP that does not shard."""
+    world = gpu_runs["world"]
+    shards = sorted(p.name for p in gpu_runs["vasso-sharded"].dir.joinpath("ckpt").glob("checkpoint_last-shard*.pt"))
+    assert shards == [f"checkpoint_last-shard{r}.pt" for r in range(world)]
+    ref = gpu_runs["vasso-legacy-resumed"]
+    _same_losses(ref, gpu_runs["vasso-sharded-resumed"], rel=1e-3)
+    if world == 1:
+        return
     saved, legacy = gpu_runs["vasso-fsdp"].saved["last_optimizer_state"], gpu_runs["vasso-legacy"].saved[
         "last_optimizer_state"]
     assert saved["sharpness"]["step"] == legacy["sharpness"]["step"] == 3
@@ -525,11 +563,6 @@ def test_fully_sharded_saves_and_resumes_as_stock_adam_does(gpu_runs):
 
     for key in ("sam_slope", "exp_avg"):  # the shared embedding counted once in either
         assert total(saved, key) == pytest.approx(total(legacy, key), rel=1e-3), key
-    world = gpu_runs["world"]
-    shards = sorted(p.name for p in gpu_runs["vasso-sharded"].dir.joinpath("ckpt").glob("checkpoint_last-shard*.pt"))
-    assert shards == [f"checkpoint_last-shard{r}.pt" for r in range(world)]
-    ref = gpu_runs["vasso-legacy-resumed"]
-    _same_losses(ref, gpu_runs["vasso-sharded-resumed"], rel=1e-3)
     adam = gpu_runs["adam-fsdp-resumed"]
     resumed = gpu_runs["vasso-fsdp-resumed"]
     if "done training" not in adam.out[0]:
