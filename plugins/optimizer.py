@@ -301,9 +301,10 @@ class SharpnessAware(torch.optim.Optimizer):
             previous = self._previous_host
             s = _NAN if previous is None else P.plain_ascent_scale(previous["rho"], previous["slope_norm"])
             norm = _NAN if previous is None else previous["slope_norm"]
-            # filled on the device: torch.tensor(..., device=cuda) copies from pageable memory, a host sync
+            # filled on the device: torch.tensor(..., device=cuda), or an item assigned a float, copies
+            # from pageable host memory, a host sync (torch's sync debug mode saw one on an H100)
             self._last = torch.full((2,), s, dtype=like.dtype, device=like.device)
-            self._last[1] = norm
+            self._last[1:].fill_(norm)
         return self._last
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -722,6 +723,9 @@ class SharpnessAware(torch.optim.Optimizer):
             return False
         if self.track_stability and self.theta is not None and self.p < 1.0:
             return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
+        dtype = step.lists.params[0].dtype
+        if any(g.dtype is not dtype for g in step.grads):
+            return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
         flat = self._flat_slope(step.lists)
         if flat is None:
             return False

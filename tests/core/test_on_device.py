@@ -70,6 +70,67 @@ def test_the_buffers_the_flat_slope_replaces_are_freed_before_the_second_pass(ki
     assert opt._lists.flat_slope is not None and alive == [0]
 
 
+def test_gradients_of_another_dtype_take_the_host_path():
+    """fp16 gradients on fp32 parameters (fairscale's FSDP under fairseq --fp16 on one GPU, as
+    the H100 run met them): the step is left to the host path, which casts, and trains as it."""
+    results = []
+    for path in ("host", "device"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        for q in model.parameters():
+            if hasattr(q, "grad_dtype"):  # torch >= 2.10 checks a gradient's dtype unless told otherwise
+                q.grad_dtype = None
+        opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
+        opt._decide_on_device = path == "device"
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for _pass in range(2):
+                try:
+                    for q in model.parameters():
+                        q.grad = torch.randn(q.shape, generator=gen).half()
+                except RuntimeError as exc:
+                    pytest.skip(f"torch {torch.__version__} refuses a gradient of another dtype ({exc})")
+                if _pass == 0 and not opt.perturb():
+                    break
+            opt.descend()
+        assert opt._lists.flat_slope is None
+        results.append(flat(model.parameters()))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("api", ["closure", "explicit"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
+def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api):
+    """On a GPU a tensor made from host data (``torch.tensor``, an element assigned a Python
+    float: ``aten::lift_fresh``) is a synchronizing copy; a read (``_local_scalar_dense``) is
+    one too.  None in the steps decided on the device, the first two-pass one after steps the
+    coin skipped included (eSAM's step 4: the H100 run's sync debug mode found one there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plugins.lab.selftest.checks import protocol_step
+
+    class HostData(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("lift_fresh", "lift_fresh_copy", "_local_scalar_dense"):
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = make_model()
+    opt = build(kind, model.parameters(), fused_adamw_on("cpu"), lr=1e-2, rho=0.2, fused=True)
+    seen = []
+    for t, (x, y) in enumerate(make_batches(8)):
+        mode = HostData()
+        with mode:
+            protocol_step(opt, model, closure_for(opt, model, x, y), api)
+        if opt._lists.flat_slope is not None:  # made by the first step decided on the device
+            seen.append((t, mode.seen))
+    assert seen and all(s == [] for _, s in seen), seen
+
+
 def test_flat_slope_buffers_keep_channels_last():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
