@@ -43,7 +43,7 @@ class StepInFlight:
     rho: float = 0.0
     # perturb()'s own: what its phases hand each other
     two_pass: bool = False                            # the coin R_t (and something to move)
-    grads: Optional[List[torch.Tensor]] = None        # g_t, this rank's parts
+    grads: Optional[List[torch.Tensor]] = None        # g_t, this rank's parts (until a second pass)
     loss_scale: Optional[torch.Tensor] = None         # the scaler's scale g_t carries (None: unscaled)
     previous_slopes: Optional[List[torch.Tensor]] = None  # d_{t-1} (d_0 = g_0 where none is kept yet)
     computed: Optional[List[torch.Tensor]] = None     # d_t computed before the sums (fp16/bf16, partition_group)

@@ -474,6 +474,7 @@ class SharpnessAware(torch.optim.Optimizer):
             return False
         self._diagnose(step, sums, inner)         # ascent norm, sharpness, stability
         step.kind = Kind.PERTURBED
+        step.grads = None                         # g_t lives on in the buffers: not held through the second pass
         self._pending = step
         if step.exchange is not None:             # partition_group: the other owners' parameters too
             self._exchange_leg(step, sums)
@@ -762,6 +763,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if step.two_pass:
             self._diagnose_on_device(step, slope_norm, inner)
             step.kind = Kind.PERTURBED
+            step.grads = None  # as perturb()'s: g_t is not held through the second pass
         else:
             step.kind = Kind.FIRST_GRADIENT
             step.diagnostics.later(("nonfinite",), lambda: (~finite).double().reshape(1))

@@ -131,6 +131,33 @@ def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api):
     assert seen and all(s == [] for _, s in seen), seen
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "V+G"])
+def test_no_first_gradient_is_held_through_the_second_pass(kind, path):
+    """g_t lives on in the slope buffer (GSAM's correction reads it there, or in V+G's copy):
+    the step holds no tensor of g_t through the second pass, whose backward is the peak
+    of a step's memory (held, they added one model's size to it)."""
+    import weakref
+
+    model = make_model()
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
+    opt._decide_on_device = path == "device"
+    for t, (x, y) in enumerate(make_batches(3)):
+        inner = closure_for(opt, model, x, y)
+        firsts, alive = [], []
+
+        def closure():
+            if opt.in_second_pass:
+                alive.append(sum(r() is not None for r in firsts))
+            loss = inner()
+            if not opt.in_second_pass:
+                firsts.extend(weakref.ref(q.grad) for q in model.parameters())
+            return loss
+
+        opt.step(closure)
+        assert alive == [0], (t, alive)
+
+
 def test_flat_slope_buffers_keep_channels_last():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
