@@ -272,6 +272,24 @@ def test_anchor_errors_name_the_flag(flag, tmp_path):
         anchors.load(flag, str(tmp_path))
 
 
+def test_an_anchors_commit_is_its_own_checkouts(tmp_path):
+    """A checkout's commit names the anchor; a copy without git metadata inside another
+    repository (as one carried to an offline GPU node) is "not a git checkout", not that
+    repository's commit."""
+    import subprocess
+
+    own = tmp_path / "own"
+    subprocess.run(["git", "init", "-q", str(own)], check=True)
+    subprocess.run(["git", "-C", str(own), "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q",
+                    "--allow-empty", "-m", "anchor"], check=True)
+    head = subprocess.run(["git", "-C", str(own), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert anchors.provenance(str(own)).endswith(f"(git {head})")
+    copy = own / "copies" / "VaSSO"
+    copy.mkdir(parents=True)
+    assert anchors.provenance(str(copy)).endswith("(not a git checkout)")
+
+
 @pytest.mark.skipif(not (os.environ.get("VASSO_REFERENCE_VASSO") and os.environ.get("VASSO_REFERENCE_SAM")),
                     reason="set VASSO_REFERENCE_VASSO and VASSO_REFERENCE_SAM to checkouts of BingcongLi/VaSSO and "
                            "davda54/sam to run the anchors' own code")

@@ -94,10 +94,14 @@ def build(flag: str, cls: type, params, base: Callable, base_kw: Dict, rho: floa
 
 def provenance(path: str) -> str:
     """Where an anchor came from: its folder and, for a git checkout, the commit."""
+    commit = ""
     try:
-        proc = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=30)
-        commit = proc.stdout.strip() if proc.returncode == 0 else ""
+        proc = subprocess.run(["git", "-C", path, "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=30)
+        top, _, head = proc.stdout.strip().partition("\n")
+        # a copy inside another repository (no .git of its own) would report that repository's commit
+        if proc.returncode == 0 and os.path.realpath(top) == os.path.realpath(path):
+            commit = head.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        pass
     return f"{os.path.abspath(path)} (" + (f"git {commit}" if commit else "not a git checkout") + ")"
