@@ -151,6 +151,22 @@ class _Run:
         return [json.loads(m.group(1)) for m in found if m]
 
 
+def _workspace(tmp_path_factory, name):
+    """What :class:`_Run` takes: the fairseq helpers of tests/fairseq/conftest.py, a new folder
+    and the driver written into it."""
+    from tests.fairseq.conftest import REPO, model_args
+
+    class FS:
+        pass
+
+    fs = FS()
+    fs.REPO, fs.model_args = REPO, model_args
+    root = tmp_path_factory.mktemp(name)
+    driver = root / "driver.py"
+    driver.write_text(DRIVER)
+    return fs, root, driver
+
+
 def side_by_side(starts, world):
     """The finished runs of ``starts`` (callables that start one ``_Run`` each), in order,
     started as earlier ones finish so that at most two ranks per core run at once (at
@@ -198,16 +214,7 @@ FSDP_CASES = {"vasso": CASES["vasso"], "sam": ("sam", []), "fp16": CASES["fp16"]
 
 @pytest.fixture(scope="module")
 def runs(toy_data, tmp_path_factory):
-    from tests.fairseq.conftest import REPO, model_args
-
-    class FS:
-        pass
-
-    fs = FS()
-    fs.REPO, fs.model_args = REPO, model_args
-    root = tmp_path_factory.mktemp("sharding")
-    driver = root / "driver.py"
-    driver.write_text(DRIVER)
+    fs, root, driver = _workspace(tmp_path_factory, "sharding")
 
     def start(name, backend, max_update):
         opt, extra = (FSDP_CASES if backend == "fsdp" else CASES).get(name) or FSDP_CASES[name]
@@ -363,16 +370,7 @@ def test_stock_adam_cannot_save_fully_sharded_on_one_process(toy_data, tmp_path_
     (test_fairseq_fully_sharded.py) spares a user: stock adam trains, then stops at its first
     save inside fairscale, which cannot gather the optimizer state of an FSDP that does not
     shard (fairscale's FSDP given the CPU, as above; the same on one GPU)."""
-    from tests.fairseq.conftest import REPO, model_args
-
-    class FS:
-        pass
-
-    fs = FS()
-    fs.REPO, fs.model_args = REPO, model_args
-    root = tmp_path_factory.mktemp("one_process")
-    driver = root / "driver.py"
-    driver.write_text(DRIVER)
+    fs, root, driver = _workspace(tmp_path_factory, "one_process")
     run = _Run(fs, toy_data, root, "adam-fsdp", "adam", 2, FSDP, driver, world=1, cpu_fsdp=True).wait()
     assert run.procs[0].returncode != 0 and "done training" not in run.out[0]
     assert "'FlatParameter' object has no attribute '_full_param_padded'" in run.out[0], run.out[0][-3000:]
@@ -450,17 +448,8 @@ GPU_CASES = {
 def gpu_runs(toy_data, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip(NO_CUDA)
-    from tests.fairseq.conftest import REPO, model_args
-
-    class FS:
-        pass
-
-    fs = FS()
-    fs.REPO, fs.model_args = REPO, model_args
     world = 2 if torch.cuda.device_count() >= 2 else 1
-    root = tmp_path_factory.mktemp("fully_sharded")
-    driver = root / "driver.py"
-    driver.write_text(DRIVER)
+    fs, root, driver = _workspace(tmp_path_factory, "fully_sharded")
 
     def run(name, optimizer, extra, max_update):
         return functools.partial(_Run, fs, toy_data, root, name, optimizer, max_update, extra, driver, world=world,
