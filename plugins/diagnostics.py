@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from . import distributed as D
 from . import perturbation as P
 from . import reductions
 
@@ -164,15 +165,15 @@ def mean_over_ranks(diag: Diagnostics, key: str, value, group, device) -> None:
     (each rank's loss is its batch slice's mean, as DDP's is, so the mean is the
     one-process value for equal slices), by an ``all_reduce`` the diagnostics wait for
     when first read."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    size = D.ranks(group)
+    if size == 1:
         diag[key] = value
         return
     value = (value.detach().clone() if torch.is_tensor(value)
              else torch.tensor(value, dtype=torch.float64)).to(device, torch.float64).reshape(())
-    value.div_(dist.get_world_size(group))
+    value.div_(size)
     diag[key] = value
-    diag.wait_for(dist.all_reduce(value, group=group, async_op=True))
+    diag.wait_for(torch.distributed.all_reduce(value, group=group, async_op=True))
 
 
 def root(value: float) -> float:

@@ -119,9 +119,10 @@ class PartitionGroup:
                 f"{'' if self.group is not None else ', not live: loaded'})")
 
 
-def _world() -> int:
+def ranks(group=None) -> int:
+    """The number of ranks in ``group`` (None: the default group); 1 without a process group."""
     dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -163,7 +164,7 @@ class Layout:
         self.sharded = any(kinds)
         if self.sharded and partition_group is not None:
             raise ValueError(DTENSOR_PARTITION)
-        self.replica_check = not self.sharded and partition_group is None and _world() > 1
+        self.replica_check = not self.sharded and partition_group is None and ranks() > 1
         # a group of this rank alone: its parameters are its own (ranks training models of their own)
         self.partitioned = partition_group is not None and torch.distributed.get_world_size(partition_group) > 1
         if self.partitioned:

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["Flat", "dense", "check_finite_", "takes_found_inf", "base_step", "Verdicts"]
+__all__ = ["Flat", "dense", "total_norm", "check_finite_", "takes_found_inf", "base_step", "Verdicts"]
 
 
 def dense(t: torch.Tensor) -> bool:
@@ -56,6 +56,12 @@ class Flat:
             at += t.numel()
 
 
+def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of a list of tensors as one 0-dim device tensor (no host read): not finite
+    iff some element is not."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))))
+
+
 def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> None:
     """``found_inf`` (0-dim float32) becomes 1 if any of ``tensors`` has a non-finite element,
     and is left as it is otherwise: torch's own check, the one ``GradScaler`` uses (one
@@ -66,7 +72,7 @@ def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one:
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found_inf, one)
     except (NotImplementedError, RuntimeError):
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))))
+        norm = total_norm(tensors)
         found_inf.copy_(torch.where(norm < math.inf, found_inf, one))
 
 

@@ -779,8 +779,7 @@ class SharpnessAware(torch.optim.Optimizer):
         lists, theta = step.lists, self.theta
         v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
         if theta is None and not step.two_pass:             # SAM's slope keeps the last ascent's g: only check g_t
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(step.grads)))
-            return norm < math.inf, None, None
+            return ondevice.total_norm(step.grads) < math.inf, None, None
         previous = v.flat.clone()                           # v_{t-1}, for a non-finite g_t (freed at return)
         if theta is not None:
             P.moving_average(v.views, step.grads, theta, in_place=True)  # eq. (5a): d_t
@@ -1148,9 +1147,7 @@ class SharpnessAware(torch.optim.Optimizer):
         """The loss gap; on several ranks the mean of the ranks' gaps, over
         ``partition_group`` or the default group (:func:`plugins.diagnostics.mean_over_ranks`);
         in one process, from tensor losses, computed only when read."""
-        dist = torch.distributed
-        if (torch.is_tensor(first) and torch.is_tensor(second)
-                and not (dist.is_available() and dist.is_initialized() and dist.get_world_size(self.partition_group) > 1)):
+        if torch.is_tensor(first) and torch.is_tensor(second) and D.ranks(self.partition_group) == 1:
             first, second = first.detach(), second.detach()
             self.diagnostics.later(("loss_gap",), lambda: diagnostics.loss_gap(first, second).reshape(1))
             return

@@ -113,12 +113,11 @@ def fused_adamw_on(device: str = "cpu"):
     none there (the CPU's came with torch 2.4)."""
     import pytest
 
-    try:
-        q = torch.zeros(2, device=device, requires_grad=True)
-        q.grad = torch.ones_like(q)
-        torch.optim.AdamW([q], fused=True).step()
-    except (RuntimeError, ValueError) as exc:
-        pytest.skip(f"torch {torch.__version__} has no fused AdamW on {device} ({exc})")
+    from plugins.lab.selftest.checks import fused_adamw_missing
+
+    missing = fused_adamw_missing(device)
+    if missing:
+        pytest.skip(missing)
     return torch.optim.AdamW
 
 

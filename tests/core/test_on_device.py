@@ -45,28 +45,38 @@ def test_the_device_path_trains_as_the_host_path_does(kind, exact_restore):
     assert any(not math.isnan(d["stability"]) for d in dev_diags)
 
 
+def alive_in_second_pass(opt, inner, watched):
+    """One ``opt.step(closure)`` over the closure ``inner``: for each second pass, how many of
+    the tensors ``watched()`` gives right after the first pass are still alive as it begins
+    (weak references: the count holds none of them)."""
+    import weakref
+
+    refs, alive = [], []
+
+    def closure():
+        if opt.in_second_pass:
+            alive.append(sum(r() is not None for r in refs))
+        loss = inner()
+        if not opt.in_second_pass:
+            refs.extend(weakref.ref(t) for t in watched())
+        return loss
+
+    opt.step(closure)
+    return alive
+
+
 @pytest.mark.parametrize("kind", ["SAM", "VASSO"])
 def test_the_buffers_the_flat_slope_replaces_are_freed_before_the_second_pass(kind):
     """The first step decided on the device moves the slope buffers into one flat tensor: the
     per-parameter buffers it replaces are gone before that step's second pass (held through
     it, they would add one model's size to the peak memory, as issue 33's H100 run showed)."""
-    import weakref
-
     model = make_model()
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
     batches = make_batches(2)
     opt.step(closure_for(opt, model, *batches[0]))  # the host path: per-parameter slope buffers
     assert opt._lists.flat_slope is None
-    replaced = [weakref.ref(opt._own_state[q]["slope"]) for q in opt._lists.params]
-    alive = []
-    inner = closure_for(opt, model, *batches[1])
-
-    def closure():
-        if opt.in_second_pass:
-            alive.append(sum(r() is not None for r in replaced))
-        return inner()
-
-    opt.step(closure)
+    alive = alive_in_second_pass(opt, closure_for(opt, model, *batches[1]),
+                                 lambda: [opt._own_state[q]["slope"] for q in opt._lists.params])
     assert opt._lists.flat_slope is not None and alive == [0]
 
 
@@ -137,24 +147,11 @@ def test_no_first_gradient_is_held_through_the_second_pass(kind, path):
     """g_t lives on in the slope buffer (GSAM's correction reads it there, or in V+G's copy):
     the step holds no tensor of g_t through the second pass, whose backward is the peak
     of a step's memory (held, they added one model's size to it)."""
-    import weakref
-
     model = make_model()
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
     opt._decide_on_device = path == "device"
     for t, (x, y) in enumerate(make_batches(3)):
-        inner = closure_for(opt, model, x, y)
-        firsts, alive = [], []
-
-        def closure():
-            if opt.in_second_pass:
-                alive.append(sum(r() is not None for r in firsts))
-            loss = inner()
-            if not opt.in_second_pass:
-                firsts.extend(weakref.ref(q.grad) for q in model.parameters())
-            return loss
-
-        opt.step(closure)
+        alive = alive_in_second_pass(opt, closure_for(opt, model, x, y), lambda: [q.grad for q in model.parameters()])
         assert alive == [0], (t, alive)
 
 

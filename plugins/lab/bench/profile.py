@@ -258,8 +258,8 @@ def render(res: Dict[str, Any], command: str = "") -> str:
     out = [f"## Where one {res['method']} step's time goes: {res['device']}"
            + (f" ({res['gpu']})" if res.get("gpu") else "") + f", {res['model']} ({res['model_info']})", "",
            f"Command: `{command}`" if command else "",
-           f"torch {res['torch']}, AdamW base ({res.get('adamw', 'default')}). Host ms: median of {res['steps']} unprofiled steps "
-           f"(the whole step {res['step_host_ms']:.2f} ms on the host). Counts (ops, launches, kernels, syncs): one "
+           f"torch {res['torch']}, AdamW base ({res.get('adamw', 'default')}). Host ms: median of {res['steps']} "
+           f"unprofiled steps (the whole step {res['step_host_ms']:.2f} ms on the host). Counts (ops, launches, kernels, syncs): one "
            f"profiled step; profiled times: medians over {res['profiled_steps']} profiled steps. Own Python: host "
            f"time of the optimizer's own phases less the time inside the top-level ops it dispatched (profiled). "
            f"Syncs (tests' count): CountSyncs (aten._local_scalar_dense + Tensor.tolist).", "",

@@ -399,14 +399,22 @@ def check_host_syncs(device: str) -> Figure:
 ON_DEVICE = ("SAM", "VASSO", "eSAM", "GSAM", "V+G")
 
 
-def _unscaled_fused_syncs(device: str, cuda: bool, details: Dict, failures: List[str]) -> str:
-    """The bf16/fp32 path: no scaler, a base that takes torch's ``found_inf`` (fused AdamW):
-    no host sync at all in a step once the slope buffers exist (docs/design.md, section 7)."""
+def fused_adamw_missing(device: str) -> Optional[str]:
+    """Why this torch has no fused AdamW on ``device`` (the CPU's came with torch 2.4), or
+    None where one step of it runs: the probe the self-test and the tests share."""
     try:
         probe = torch.zeros(2, device=device, requires_grad=True)
         probe.grad = torch.ones_like(probe)
         torch.optim.AdamW([probe], fused=True).step()
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError) as exc:
+        return f"torch {torch.__version__} has no fused AdamW on {device} ({exc})"
+    return None
+
+
+def _unscaled_fused_syncs(device: str, cuda: bool, details: Dict, failures: List[str]) -> str:
+    """The bf16/fp32 path: no scaler, a base that takes torch's ``found_inf`` (fused AdamW):
+    no host sync at all in a step once the slope buffers exist (docs/design.md, section 7)."""
+    if fused_adamw_missing(device):
         return f"no fused AdamW on {device} in torch {torch.__version__} (unscaled path not counted)"
     counted: Dict[str, List[int]] = {}
     debug: Dict[str, int] = {}
