@@ -8,8 +8,10 @@ configuration allows it (:meth:`plugins.SharpnessAware._decides_on_device`,
 bool, a non-finite ``g_t`` is replaced by ``d_{t-1}`` (SAM: the kept slope) before it is
 used, the ascent's scale is 0 then, and the base optimizer is handed the verdict as
 torch's ``found_inf`` (fused Adam/AdamW/SGD skip on the device; any other base costs one
-host read, in :func:`base_step`).  Which of the two passes runs stays a host decision:
-the coin is a pure function of ``(seed, step)``.
+host read, in :func:`base_step`).  Under a ``GradScaler`` the scaler's own verdict on
+``.grad`` joins it, and a first pass's overflow is carried into ``.grad`` for the scaler to
+see (:func:`overflow_into_`).  Which of the two passes runs stays a host decision: the
+coin is a pure function of ``(seed, step)``.
 
 Here: the flat buffers such a step works on (:class:`Flat`), the base step given a
 device verdict (:func:`base_step`), and the verdicts on their way to the host, so that
@@ -25,7 +27,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["Flat", "dense", "total_norm", "check_finite_", "takes_found_inf", "base_step", "Verdicts"]
+__all__ = ["Flat", "dense", "total_norm", "check_finite_", "takes_found_inf", "base_step", "overflow_into_",
+           "Verdicts"]
 
 
 def dense(t: torch.Tensor) -> bool:
@@ -83,11 +86,11 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def base_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Optional[bool]:
-    """The base optimizer's step, skipped where ``found_inf`` (a 0-dim float32 device
-    tensor, 1.0 or 0.0) is 1: on the device for an optimizer that takes torch's
-    ``found_inf`` (returns None: the host does not know), else after one host read
-    (returns whether it stepped)."""
+def base_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, verdict: torch.Tensor) -> Optional[int]:
+    """The base optimizer's step, skipped where ``found_inf`` (a 0-dim float32 device tensor,
+    1.0 or 0.0) is 1: on the device for an optimizer that takes torch's ``found_inf``
+    (returns None: the host does not know), else after one host read of ``verdict`` (the
+    step's code, :class:`Verdicts`), whose value it returns (0: it stepped)."""
     if takes_found_inf(optimizer):
         optimizer.found_inf = found_inf
         optimizer.grad_scale = None
@@ -96,10 +99,22 @@ def base_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Opti
         finally:
             del optimizer.found_inf, optimizer.grad_scale
         return None
-    if found_inf.item():  # the one host read of the step
-        return False
-    optimizer.step()
-    return True
+    code = int(verdict.item())  # the one host read of the step
+    if code == 0:
+        optimizer.step()
+    return code
+
+
+def overflow_into_(grads: Sequence[Optional[torch.Tensor]], finite: torch.Tensor) -> None:
+    """Where ``finite`` (0-dim device bool: ``g_t`` was finite) is False, one element of the
+    second pass's gradients becomes inf, so that a ``GradScaler``, whose own check sees only
+    ``.grad``, sees the first pass's overflow too: it skips the step and backs its scale off,
+    as on the host path, where ``.grad`` keeps the non-finite ``g_t``.  Where ``finite``, the
+    element is selected back bit for bit: nothing changes."""
+    first = next((h for h in grads if h is not None and h.numel()), None)
+    if first is not None:
+        element = first.as_strided((), (), first.storage_offset())  # an element of first, in any layout
+        element.copy_(torch.where(finite, element, math.inf))
 
 
 class Verdicts:
@@ -109,16 +124,18 @@ class Verdicts:
     the CPU a verdict is there at once: its value is read directly, nothing waits.
 
     A verdict is a 0-dim float tensor: 0 the step was taken, 1 it was skipped for a
-    non-finite second-pass gradient, 2 for a non-finite first-pass gradient."""
+    non-finite second-pass gradient (or what a loss scaler found), 2 for a non-finite
+    first-pass gradient.  A step under a loss scaler is counted but not warned about: an
+    overflow is the scaler's routine signal to back its scale off."""
 
     __slots__ = ("_queue",)
 
     WHICH = {1: "second-pass", 2: "first-pass"}
 
     def __init__(self):
-        self._queue: List[tuple] = []  # (step, host copy, event)
+        self._queue: List[tuple] = []  # (step, host copy, event, scaled)
 
-    def send(self, step: int, verdict: torch.Tensor) -> None:
+    def send(self, step: int, verdict: torch.Tensor, scaled: bool = False) -> None:
         if verdict.device.type == "cpu":
             copy, event = verdict, None
         else:
@@ -126,14 +143,14 @@ class Verdicts:
             copy.copy_(verdict, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        self._queue.append((step, copy, event))
+        self._queue.append((step, copy, event, scaled))
 
     def arrived(self, *, wait: bool) -> List[tuple]:
-        """``(step, which pass)`` of the skipped steps among the verdicts that have arrived,
-        in order (all of them with ``wait``)."""
+        """``(step, which pass, scaled)`` of the skipped steps among the verdicts that have
+        arrived, in order (all of them with ``wait``)."""
         skipped = []
         while self._queue:
-            step, copy, event = self._queue[0]
+            step, copy, event, scaled = self._queue[0]
             if event is not None and not event.query():  # (a query does not wait)
                 if not wait:
                     break
@@ -141,7 +158,7 @@ class Verdicts:
             self._queue.pop(0)
             code = int(copy.numpy())  # a host tensor: no device to wait for
             if code:
-                skipped.append((step, self.WHICH[code]))
+                skipped.append((step, self.WHICH[code], scaled))
         return skipped
 
     def __len__(self) -> int:

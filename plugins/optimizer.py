@@ -414,8 +414,8 @@ class SharpnessAware(torch.optim.Optimizer):
         """Count (and warn about) the skipped steps among the device's verdicts that have
         reached the host (all of them with ``wait``: a host sync, where one is pending)."""
         if len(self._verdicts):
-            for t, which in self._verdicts.arrived(wait=wait):
-                self._skip_nonfinite(which, False, step=t)
+            for t, which, scaled in self._verdicts.arrived(wait=wait):
+                self._skip_nonfinite(which, scaled, step=t)
 
     @property
     def nonfinite_steps(self) -> int:
@@ -716,11 +716,11 @@ class SharpnessAware(torch.optim.Optimizer):
     def _decides_on_device(self, step: StepInFlight) -> bool:
         """Whether this step keeps its decisions on the device (:mod:`plugins.ondevice`,
         ``docs/design.md``, section 7): one process or replicas, one device and dtype
-        (float32/64), plain geometry, no GradScaler (its verdict is the host's), and a slope
-        buffer for every parameter already (the first step, which makes
-        them, ``d_0 = g_0`` from a finite ``g_0``, reads on the host once)."""
-        if not (self._decide_on_device and step.lists.on_device and step.loss_scale is None
-                and not self.adaptive and self.partition_group is None):
+        (float32/64), plain geometry (a GradScaler or none), and a slope buffer for every
+        parameter already (the first step, which makes them, ``d_0 = g_0`` from a finite
+        ``g_0``, reads on the host once)."""
+        if not (self._decide_on_device and step.lists.on_device and not self.adaptive
+                and self.partition_group is None):
             return False
         if self.track_stability and self.theta is not None and self.p < 1.0:
             return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
@@ -780,9 +780,12 @@ class SharpnessAware(torch.optim.Optimizer):
         v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
         if theta is None and not step.two_pass:             # SAM's slope keeps the last ascent's g: only check g_t
             return ondevice.total_norm(step.grads) < math.inf, None, None
+        grads = step.grads
+        if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
+            grads = scaling.unscale(grads, step.loss_scale, in_place=False)
         previous = v.flat.clone()                           # v_{t-1}, for a non-finite g_t (freed at return)
         if theta is not None:
-            P.moving_average(v.views, step.grads, theta, in_place=True)  # eq. (5a): d_t
+            P.moving_average(v.views, grads, theta, in_place=True)  # eq. (5a): d_t
         else:
             torch._foreach_copy_(v.views, step.grads)       # SAM: v_t = g_t
         slope_norm = torch.linalg.vector_norm(v.flat)       # ||v_t||: finite iff g_t is (v_{t-1} is)
@@ -823,25 +826,36 @@ class SharpnessAware(torch.optim.Optimizer):
             return torch.where(finite, taken, skipped)
         step.diagnostics.later(("two_pass", "ascent_norm", "sharpness", "stability", "nonfinite"), compute)
 
-    def _descend_on_device(self, step: StepInFlight) -> Optional[bool]:
+    def _descend_on_device(self, step: StepInFlight, grad_scale: Optional[torch.Tensor] = None,
+                           found_inf: Optional[torch.Tensor] = None) -> Optional[bool]:
         """:meth:`_descend`'s base step for a step decided on the device (parameters back at
         ``x_t`` already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as
-        torch's ``found_inf``; one host read where the base cannot take it."""
-        found_inf = step.found_inf  # g_t's verdict, from perturb()
+        torch's ``found_inf``; one host read where the base cannot take it.  Under a scaler,
+        ``found_inf`` is the scaler's verdict on ``.grad`` (``h_t``, or a one-pass step's
+        ``g_t``: not checked again) and ``grad_scale`` the scale ``.grad`` still carries."""
+        zero, one, two = step.lists.constants()
+        verdict = step.found_inf  # g_t's, from perturb()
+        if found_inf is not None:
+            verdict = torch.maximum(verdict, torch.where(found_inf.to(verdict.device) > 0, one, zero))
+        grads = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
+        if grad_scale is not None and grads:  # unscaled exactly once
+            scaling.unscale(grads, grad_scale, in_place=True)
         if step.kind is Kind.PERTURBED:
-            second = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
-            ondevice.check_finite_(second, found_inf, step.lists.constants()[1])  # h_t's too
-            if self.gsam_alpha > 0.0 and step.rho > 0.0 and second:  # GSAM: h_t - alpha g_t^perp (rho 0: h == g)
+            if found_inf is None:
+                ondevice.check_finite_(grads, verdict, one)  # h_t's too
+            if self.gsam_alpha > 0.0 and step.rho > 0.0 and grads:  # GSAM: h_t - alpha g_t^perp (rho 0: h == g)
                 second, firsts, plan = self._second_grads(step)
                 h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
                 self._gsam_correct(step, second, firsts, h_norm, g_dot_h)
-        taken = ondevice.base_step(self.base_optimizer, found_inf)
+        code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
+        read = ondevice.base_step(self.base_optimizer, verdict, code)  # the code, where the host had to read it
         _moved_parameters()
-        if taken is None:  # decided on the device: counted, and warned about, once the verdict arrives
-            self._verdicts.send(self._step - 1, torch.where(step.finite, found_inf, step.lists.constants()[2]))
-        elif not taken:
-            self._skip_nonfinite("second-pass" if bool(step.finite) else "first-pass", False)
-        return taken
+        if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
+            self._verdicts.send(self._step - 1, code, step.scaled)
+            return None
+        if read:
+            self._skip_nonfinite(ondevice.Verdicts.WHICH[read], step.scaled)
+        return read == 0
 
     # -------------------------------------------------------------- the second half
 
@@ -900,7 +914,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._pending = None
         self.in_second_pass = False
         if step.finite is not None:  # perturb() decided on the device
-            return self._descend_on_device(step)
+            return self._descend_on_device(step, grad_scale, found_inf)
         if step.kind is Kind.NONFINITE:
             return False
         if step.kind is Kind.FIRST_GRADIENT:  # g_t, found finite by perturb(): nothing to decide again
@@ -1029,6 +1043,8 @@ class SharpnessAware(torch.optim.Optimizer):
             raise
         finally:
             self.in_second_pass = False
+        if pending.scaled and pending.finite is not None:  # decided on the device, under a scaler
+            ondevice.overflow_into_(pending.lists.local_grads(missing_ok=True), pending.finite)
 
     # ------------------------------------------------------------------ the ecosystem's names
 

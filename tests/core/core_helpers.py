@@ -84,7 +84,7 @@ def decided_on_device(kind: str, dtype=torch.float32, scaled: bool = False) -> b
     slope buffers exist: fp32/fp64 parameters, no GradScaler, plain geometry, and not
     eVASSO's buffered stability (``SharpnessAware._decides_on_device``)."""
     cls, knobs = VARIANTS[kind]
-    return (not scaled and dtype in (torch.float32, torch.float64) and not knobs.get("adaptive")
+    return (dtype in (torch.float32, torch.float64) and not knobs.get("adaptive")
             and not (cls is VASSO and knobs.get("p", 1.0) < 1.0))
 
 

@@ -16,10 +16,11 @@ import torch
 
 from plugins import SAM, VASSO
 from plugins import optimizer as O
-from plugins.lab.selftest.checks import scaled_step
+from plugins.lab.selftest.checks import protocol_step, scaled_step
 from plugins.lab.selftest.syncs import cuda_sync_debug_warnings
 from plugins.perturbation import rng_state, second_pass_coin
-from core_helpers import CountSyncs, build, expected_syncs, flat, make_batches, make_model, skip_without_cpu_matmul
+from core_helpers import (CountSyncs, build, decided_on_device, expected_syncs, flat, fused_adamw_on, make_batches,
+                          make_model, skip_without_cpu_matmul)
 
 F = torch.nn.functional
 #: the ``gpu`` marker: these cases skip without a CUDA device (tests/conftest.py), scripts/test_gpu.sh runs them
@@ -202,6 +203,51 @@ def test_an_overflow_through_scaler_step_warns_not_and_reports_in_the_diagnostic
         warnings.simplefilter("error", RuntimeWarning)  # an overflow is the scaler's routine signal
         run.step(0, *make_batches(1)[0])
     assert run.opt.diagnostics["nonfinite"] == 1.0 and run.scales == [2.0 ** 9]
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("which", [1, 2], ids=["first-pass", "second-pass"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])
+def test_an_overflow_decided_on_the_device_is_skipped_counted_and_backed_off_without_a_sync(kind, which, api):
+    """Under a scaler, over a base that skips on the device (fused AdamW), a step decided on
+    the device: an overflow in either pass leaves x_t and AdamW's moments as they were
+    (one in the first, d_{t-1} too), backs the scale off once (a first pass's overflow reaches the scaler through
+    ``.grad``: the second pass at x_t may well be finite), warns not (the scaler's routine
+    signal), is counted once its verdict arrives, and costs no host sync."""
+    base = fused_adamw_on("cpu")
+    scaler = make_scaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    model = make_model()
+    opt = build(kind, model.parameters(), base, lr=1e-2, rho=0.2, fused=True)
+    fault, scales, counts = 3, [], []
+    for t, (x, y) in enumerate(make_batches(6)):
+        calls = []
+
+        def backward():
+            if api == "closure":
+                opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            calls.append(1)
+            if t == fault and len(calls) == which:
+                model[3].bias.grad[0] = INF
+            return loss
+
+        before = (flat(model.parameters()), flat(opt.state[q]["sam_slope"] for q in model.parameters()),
+                  flat(opt.state[q]["exp_avg"] for q in model.parameters()) if t else None)
+        with warnings.catch_warnings(), CountSyncs() as syncs:
+            warnings.simplefilter("error", RuntimeWarning)
+            protocol_step(opt, model, backward, api, scaler)
+        counts.append(syncs.count)
+        scales.append(scaler.get_scale())
+        if t == fault:
+            assert opt._lists.flat_slope is not None  # decided on the device
+            torch.testing.assert_close(flat(model.parameters()), before[0], rtol=0, atol=1e-6)
+            # d_t moves on a finite g_t, as on the host path (only a non-finite g_t must not reach it)
+            assert torch.equal(flat(opt.state[q]["sam_slope"] for q in model.parameters()), before[1]) is (which == 1)
+            assert torch.equal(flat(opt.state[q]["exp_avg"] for q in model.parameters()), before[2])
+    assert counts[1:] == [0] * 5, counts
+    assert scales == [2.0 ** 10] * fault + [2.0 ** 9] * (6 - fault)
+    assert opt.nonfinite_steps == 1
 
 
 # ------------------------------------------------------------------ clipping, the coin
@@ -524,7 +570,9 @@ def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
 @CUDA
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "ASAM"])
-def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
+def test_cuda_sync_debug_mode_sees_one_sync_per_scaled_step_over_sgd(api, kind):
+    """Under a scaler, over SGD (which cannot take torch's found_inf): a step decided on the
+    device reads its verdict once; ASAM's host path reads twice."""
     model = make_model().cuda()
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
     scaler = make_scaler("cuda", init_scale=2.0 ** 8)
@@ -540,25 +588,33 @@ def test_cuda_sync_debug_mode_sees_at_most_two_syncs_per_step(api, kind):
 
     with cuda_sync_debug_warnings() as syncs:
         scaled_step(opt, model, scaler, backward, api)
-    assert len(syncs) <= 2, syncs
+    assert len(syncs) == (1 if decided_on_device(kind) else 2), syncs
     assert math.isfinite(opt.diagnostics["ascent_norm"])
 
 
 @CUDA
+@pytest.mark.parametrize("precision", ["bf16", "fp16+scaler"])
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
-def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, kind):
-    """The bf16 path of issue 33: autocast, no scaler, fused AdamW: torch's own sync debug
-    mode sees nothing between the first backward and the end of the step."""
-    from core_helpers import closure_for
-    from plugins.lab.selftest.checks import protocol_step
+def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, kind, precision):
+    """The bf16 path of issue 33 (autocast, no scaler) and its fp16 path (autocast, a
+    GradScaler), fused AdamW: torch's own sync debug mode sees nothing between the first
+    backward and the end of the step, the scaler's step and update included."""
     model = make_model().cuda()
     opt = build(kind, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.2, fused=True)
     batches = [(x.cuda(), y.cuda()) for x, y in make_batches(6)]
+    scaler = make_scaler("cuda", init_scale=2.0 ** 8) if precision == "fp16+scaler" else None
+    dtype = torch.float16 if scaler is not None else torch.bfloat16
 
     def step(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            protocol_step(opt, model, closure_for(opt, model, x, y), api)
+        def backward():
+            if api == "closure":
+                opt.zero_grad()
+            with torch.autocast("cuda", dtype=dtype):
+                loss = F.cross_entropy(model(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            return loss
+        protocol_step(opt, model, backward, api, scaler)
 
     for x, y in batches[:4]:  # the slope buffers, lazy initializations
         step(x, y)

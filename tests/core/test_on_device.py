@@ -108,9 +108,10 @@ def test_gradients_of_another_dtype_take_the_host_path():
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("api", ["closure", "explicit"])
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
-def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api):
+def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api, scaled):
     """On a GPU a tensor made from host data (``torch.tensor``, an element assigned a Python
     float: ``aten::lift_fresh``) is a synchronizing copy; a read (``_local_scalar_dense``) is
     one too.  None in the steps decided on the device, the first two-pass one after steps the
@@ -131,11 +132,23 @@ def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api):
 
     model = make_model()
     opt = build(kind, model.parameters(), fused_adamw_on("cpu"), lr=1e-2, rho=0.2, fused=True)
+    scaler = None
+    if scaled:  # the scaler's own calls included
+        if not hasattr(torch.amp, "GradScaler"):
+            pytest.skip(f"torch {torch.__version__} has no CPU GradScaler")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     seen = []
     for t, (x, y) in enumerate(make_batches(8)):
+        def backward():
+            if api == "closure":
+                opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            (scaler.scale(loss) if scaled else loss).backward()
+            return loss
+
         mode = HostData()
         with mode:
-            protocol_step(opt, model, closure_for(opt, model, x, y), api)
+            protocol_step(opt, model, backward, api, scaler)
         if opt._lists.flat_slope is not None:  # made by the first step decided on the device
             seen.append((t, mode.seen))
     assert seen and all(s == [] for _, s in seen), seen

@@ -174,20 +174,34 @@ def test_host_synchronizations_per_step(kind, dtype):
     assert reads == [1 if tp or dev else 0 for tp, dev in zip(two_pass, on_device)]
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("api", ["closure", "explicit"])
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
-def test_a_base_that_takes_found_inf_leaves_the_step_without_a_host_sync(kind, api):
-    """The issue's bf16/fp32 path: no GradScaler, nobody reads the diagnostics, a base that
-    skips on the device (torch's fused AdamW): 0 host syncs per step once the slope buffers
-    exist, in both APIs; reading the diagnostics afterwards costs one."""
+def test_a_base_that_takes_found_inf_leaves_the_step_without_a_host_sync(kind, api, scaled):
+    """The issue's bf16/fp32 path (no GradScaler) and its fp16 path (a GradScaler, whose
+    verdict joins the step's on the device): nobody reads the diagnostics, a base that skips
+    on the device (torch's fused AdamW): 0 host syncs per step once the slope buffers exist,
+    in both APIs, the scaler's own calls included; reading the diagnostics costs one."""
     base = fused_adamw_on("cpu")
+    scaler = None
+    if scaled:
+        if not hasattr(torch.amp, "GradScaler"):
+            pytest.skip(f"torch {torch.__version__} has no CPU GradScaler")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     model = make_model(dropout=0.1)
     opt = build(kind, model.parameters(), base, lr=1e-2, rho=0.1, fused=True)
     coins = [second_pass_coin(opt.p, opt.seed, t) for t in range(6)]
     counts, reads = [], []
     for x, y in make_batches(6):
+        def backward():
+            if api == "closure":
+                opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            (scaler.scale(loss) if scaled else loss).backward()
+            return loss
+
         with CountSyncs() as syncs:
-            protocol_step(opt, model, closure_for(opt, model, x, y), api)
+            protocol_step(opt, model, backward, api, scaler)
         counts.append(syncs.count)
         with CountSyncs() as reading:
             diag = dict(opt.diagnostics)
@@ -195,6 +209,8 @@ def test_a_base_that_takes_found_inf_leaves_the_step_without_a_host_sync(kind, a
         assert diag["nonfinite"] == 0.0
     assert counts == expected_syncs(kind, coins, fused=True), (counts, coins)
     on_device = steps_on_device(kind, coins)
+    if scaled:  # the scale grew, never backed off: every step was taken
+        assert scaler.get_scale() == 2.0 ** 8
     assert any(on_device) and all(r == 1 for r, dev in zip(reads, on_device) if dev)
     assert opt.nonfinite_steps == 0
 

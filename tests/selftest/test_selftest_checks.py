@@ -98,22 +98,27 @@ def test_the_mixed_precision_check_fails_when_an_overflow_does_not_restore_x_exa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_host_sync_check_fails_on_a_third_sync(device, monkeypatch):
-    stock = P.plain_ascent_scale
+def test_the_host_sync_check_fails_on_one_more_sync(device, monkeypatch):
+    """One more read in every step (the coin, which both paths draw): every member and path
+    goes over its limit, the fused steps over their 0 too."""
+    stock = P.second_pass_coin
 
-    def reading(rho, norm):
+    def reading(*args, **kwargs):
         torch.zeros((), device=device).item()  # one more read of a device value
-        return stock(rho, norm)
+        return stock(*args, **kwargs)
 
-    monkeypatch.setattr(P, "plain_ascent_scale", reading)
+    monkeypatch.setattr(P, "second_pass_coin", reading)
     with pytest.raises(checks.CheckFailed) as failed:
         checks.check_host_syncs(device)
     counted = failed.value.details["counted_per_step"]
-    assert "SAM closure" in failed.value.figure and "syncs in a step" in failed.value.figure
-    assert all(max(counted[f"{m} {api}"]) > checks.MAX_SYNCS
-               for m in ("SAM", "VASSO") for api in ("closure", "explicit"))
+    assert "SAM closure" in failed.value.figure and "syncs in a step (at most 1)" in failed.value.figure
+    assert "ASAM closure" in failed.value.figure and "syncs in a step (at most 2)" in failed.value.figure
+    assert all(max(counted[f"{m} {api}"]) > checks.sync_limit(m)
+               for m in checks.MEMBERS for api in ("closure", "explicit"))
+    fused = failed.value.details.get("fused_counted_per_step")
+    assert fused is None or all(max(c) > 0 for c in fused.values()), fused
     if device.startswith("cuda"):  # torch's own count sees it too
-        assert failed.value.details["cuda_sync_debug_mode"]["SAM closure"] > checks.MAX_SYNCS
+        assert failed.value.details["cuda_sync_debug_mode"]["SAM closure"] > checks.sync_limit("SAM")
 
 
 def test_torch_sync_debug_mode_counts_synchronizing_operations_only():
