@@ -271,7 +271,10 @@ def test_real_overflow_on_first_pass(toy_data, tmp_path, fs, cpu_half_precision,
     before = _snapshot(trainer)
     with _real_overflow(trainer, on_call=1) as calls:  # the scaled loss overflows fp16 in backward
         assert trainer.train_step(samples) is None  # fairseq: overflow, update skipped
-    assert len(calls) == 1  # no second pass
+    # no second pass; under --amp the core decides on the device (no host read of g_t's
+    # finiteness: the scaler's verdict joins its own there), so the pass runs, at x_t, and is
+    # lost with the step (docs/design.md, section 7)
+    assert len(calls) == (2 if mode == "amp" and optimizer != "adam" else 1)
     after = _snapshot(trainer)
     assert after["updates"] == before["updates"] == 1
     assert after["scale"] == 2.0 ** 59  # backed off once, by fairseq's factor, as stock
