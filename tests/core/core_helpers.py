@@ -28,6 +28,27 @@ def closure_for(opt, model, x, y):
     return closure
 
 
+def backward_for(opt, model, x, y, api: str, scaler=None):
+    """The forward and backward of one pass for :func:`plugins.lab.selftest.checks.protocol_step`:
+    the closure API's clears the gradients itself; with a scaler the loss is scaled."""
+    def backward():
+        if api == "closure":
+            opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        return loss
+    return backward
+
+
+def cpu_scaler(**kw):
+    """``torch.amp.GradScaler("cpu")``, or a pytest skip where this torch has none (torch < 2.3)."""
+    import pytest
+
+    if not hasattr(torch.amp, "GradScaler"):
+        pytest.skip(f"torch {torch.__version__} has no CPU GradScaler")
+    return torch.amp.GradScaler("cpu", **kw)
+
+
 def first_backward(model, x, y):
     """Clear the gradients, then one forward/backward of the cross-entropy loss."""
     model.zero_grad()

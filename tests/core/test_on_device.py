@@ -11,7 +11,8 @@ import torch
 
 from plugins import SAM, VASSO
 from plugins.perturbation import rng_state
-from core_helpers import build, closure_for, first_backward, flat, fused_adamw_on, make_batches, make_model
+from core_helpers import (backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on, make_batches,
+                          make_model)
 
 DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap", "nonfinite", "rho")
 
@@ -132,20 +133,10 @@ def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api, scaled):
 
     model = make_model()
     opt = build(kind, model.parameters(), fused_adamw_on("cpu"), lr=1e-2, rho=0.2, fused=True)
-    scaler = None
-    if scaled:  # the scaler's own calls included
-        if not hasattr(torch.amp, "GradScaler"):
-            pytest.skip(f"torch {torch.__version__} has no CPU GradScaler")
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = cpu_scaler(init_scale=2.0 ** 8) if scaled else None  # the scaler's own calls included
     seen = []
     for t, (x, y) in enumerate(make_batches(8)):
-        def backward():
-            if api == "closure":
-                opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            (scaler.scale(loss) if scaled else loss).backward()
-            return loss
-
+        backward = backward_for(opt, model, x, y, api, scaler)
         mode = HostData()
         with mode:
             protocol_step(opt, model, backward, api, scaler)

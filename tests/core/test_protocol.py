@@ -8,8 +8,9 @@ from plugins import SAM, VASSO
 from plugins import rng_state
 from plugins.lab.selftest.checks import protocol_step
 from plugins.perturbation import second_pass_coin
-from core_helpers import (FAMILY, CountSyncCalls, CountSyncs, build, closure_for, expected_syncs, first_backward, flat,
-                          fused_adamw_on, make_batches, make_model, skip_without_cpu_matmul, steps_on_device)
+from core_helpers import (FAMILY, CountSyncCalls, CountSyncs, backward_for, build, closure_for, cpu_scaler, expected_syncs,
+                          first_backward, flat, fused_adamw_on, make_batches, make_model, skip_without_cpu_matmul,
+                          steps_on_device)
 
 
 def bn_closure(opt, model, x, y, counted):
@@ -183,23 +184,13 @@ def test_a_base_that_takes_found_inf_leaves_the_step_without_a_host_sync(kind, a
     on the device (torch's fused AdamW): 0 host syncs per step once the slope buffers exist,
     in both APIs, the scaler's own calls included; reading the diagnostics costs one."""
     base = fused_adamw_on("cpu")
-    scaler = None
-    if scaled:
-        if not hasattr(torch.amp, "GradScaler"):
-            pytest.skip(f"torch {torch.__version__} has no CPU GradScaler")
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = cpu_scaler(init_scale=2.0 ** 8) if scaled else None  # the scaler's own calls included
     model = make_model(dropout=0.1)
     opt = build(kind, model.parameters(), base, lr=1e-2, rho=0.1, fused=True)
     coins = [second_pass_coin(opt.p, opt.seed, t) for t in range(6)]
     counts, reads = [], []
     for x, y in make_batches(6):
-        def backward():
-            if api == "closure":
-                opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            (scaler.scale(loss) if scaled else loss).backward()
-            return loss
-
+        backward = backward_for(opt, model, x, y, api, scaler)
         with CountSyncs() as syncs:
             protocol_step(opt, model, backward, api, scaler)
         counts.append(syncs.count)
