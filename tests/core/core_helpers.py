@@ -100,31 +100,31 @@ def coin_seed(p: float, skipped: int = 2) -> int:
                 and second_pass_coin(p, s, skipped))
 
 
-def decided_on_device(kind: str, dtype=torch.float32, scaled: bool = False) -> bool:
+def decided_on_device(kind: str, dtype=torch.float32) -> bool:
     """Whether the member's steps are decided on the device (``plugins.ondevice``) once its
-    slope buffers exist: fp32/fp64 parameters, no GradScaler, plain geometry, and not
-    eVASSO's buffered stability (``SharpnessAware._decides_on_device``)."""
+    slope buffers exist: fp32/fp64 parameters (a GradScaler or none), plain geometry, and
+    not eVASSO's buffered stability (``SharpnessAware._decides_on_device``)."""
     cls, knobs = VARIANTS[kind]
     return (dtype in (torch.float32, torch.float64) and not knobs.get("adaptive")
             and not (cls is VASSO and knobs.get("p", 1.0) < 1.0))
 
 
-def expected_syncs(kind: str, coins, dtype=torch.float32, scaled: bool = False, fused: bool = False):
+def expected_syncs(kind: str, coins, dtype=torch.float32, fused: bool = False):
     """Host syncs of each step, for the coins drawn (``docs/design.md``, section 7): the host
     path reads once in perturb() and once in descend() (once in all when the coin skips);
     a step decided on the device reads only the base optimizer's verdict (1), or nothing
-    where the base takes torch's ``found_inf`` (``fused``: 0).  The device path starts once
-    the slope buffers exist: after the first two-pass step."""
+    where the base takes torch's ``found_inf`` (``fused``: 0), with a GradScaler or without.
+    The device path starts once the slope buffers exist: after the first two-pass step."""
     return [(0 if fused else 1) if device else 2 if two_pass else 1
-            for two_pass, device in zip(coins, steps_on_device(kind, coins, dtype, scaled))]
+            for two_pass, device in zip(coins, steps_on_device(kind, coins, dtype))]
 
 
-def steps_on_device(kind: str, coins, dtype=torch.float32, scaled: bool = False):
+def steps_on_device(kind: str, coins, dtype=torch.float32):
     """Which steps are decided on the device: those after the first two-pass step (which
     makes the slope buffers), for a member and setting that :func:`decided_on_device`."""
     out, have_slopes = [], False
     for two_pass in coins:
-        out.append(have_slopes and decided_on_device(kind, dtype, scaled))
+        out.append(have_slopes and decided_on_device(kind, dtype))
         have_slopes = have_slopes or two_pass
     return out
 
