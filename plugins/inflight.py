@@ -72,7 +72,7 @@ class StepLists:
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
     __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
-                 "buffers", "flat_slope", "on_device", "_constants")
+                 "buffers", "flat_slope", "storage_params", "on_device", "pointers", "_constants")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
@@ -95,11 +95,16 @@ class StepLists:
         self.fuse_average_norm = all_flat or not on_cpu or layout.collective
         self.buffers: Dict[str, List[torch.Tensor]] = {}
         self.flat_slope = None  # the slope buffers as views of one flat tensor (plugins.ondevice.Flat)
+        self.storage_params = None  # with it, the parameters as 1-D views in storage order (ondevice.storage_views)
         self._constants = None
         # a step may be decided on the device: one device and dtype (float32/64), dense tensors, one process
         # or replicas (plugins.SharpnessAware._decides_on_device adds what the step's options allow)
         self.on_device = (bool(params) and not self.low_precision and not layout.sharded and not layout.collective
                           and len({(q.device, q.dtype) for q in params}) == 1 and all(map(dense, params)))
+        # where the parameters' data lie: the flat buffer mirrors their strides and storage_params alias
+        # their storage, so a parameter whose .data is replaced (module.to(memory_format=...)) must
+        # not find these lists again (checked by the optimizer's cache)
+        self.pointers = list(map(torch.Tensor.data_ptr, params)) if self.on_device else None
 
     def constants(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """0.0, 1.0 and 2.0 as 0-dim float32 tensors on the parameters' device, made once:

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["Flat", "dense", "total_norm", "check_finite_", "takes_found_inf", "base_step", "overflow_into_",
+__all__ = ["Flat", "storage_views", "dense", "total_norm", "check_finite_", "takes_found_inf", "base_step", "overflow_into_",
            "Verdicts"]
 
 
@@ -44,19 +44,34 @@ class Flat:
     """One flat tensor, and views of it with the shapes and strides of ``like``'s tensors
     (channels_last stays channels_last, so that ``torch._foreach_*`` over the views and
     the parameters keeps its fast path).  A reduction or a ``torch.where`` over the whole
-    list is then one kernel on :attr:`flat`."""
+    list is then one kernel on :attr:`flat`, and so is a product of the list with a
+    scalar: :meth:`split` hands it on as 1-D views in storage order, which line up with
+    :func:`storage_views` of ``like``."""
 
-    __slots__ = ("flat", "views")
+    __slots__ = ("flat", "views", "sizes")
 
     def __init__(self, like: Sequence[torch.Tensor]):
         first = like[0]
-        self.flat = torch.empty(sum(t.numel() for t in like), dtype=first.dtype, device=first.device)
+        self.sizes = [t.numel() for t in like]
+        self.flat = torch.empty(sum(self.sizes), dtype=first.dtype, device=first.device)
         self.views: List[torch.Tensor] = []
         at = 0
         for t in like:
             self.views.append(self.flat.as_strided(t.shape, t.stride(), at) if not t.is_contiguous()
                               else self.flat[at:at + t.numel()].view(t.shape))
             at += t.numel()
+
+    def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """``flat`` (of :attr:`flat`'s size, e.g. a product of it) as 1-D views in storage
+        order, one per tensor of ``like``: one call, no copy."""
+        return list(torch.split(flat, self.sizes))
+
+
+def storage_views(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each of ``tensors`` (dense: :func:`dense`) as a 1-D view of its elements in storage
+    order, an alias that in-place ops write through; paired with :meth:`Flat.split`, whose
+    views follow the same order, a foreach op needs no views of ``tensors``' shapes."""
+    return [t.as_strided((t.numel(),), (1,), t.storage_offset()) for t in tensors]
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -354,11 +354,13 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _step_lists(self) -> StepLists:
         """The parameters with a gradient and what the step needs about them, cached
-        while that set is unchanged (one list comprehension per step on a hit)."""
+        while that set is unchanged (one list comprehension per step on a hit) and, for
+        the device path, while their data stay where they were (``StepLists.pointers``)."""
         params = [q for group in self.param_groups for q in group["params"] if q.grad is not None]
         cached = self._lists
         if cached is not None and len(cached.params) == len(params) and all(
-                map(operator.is_, cached.params, params)):
+                map(operator.is_, cached.params, params)) and (
+                cached.pointers is None or cached.pointers == list(map(torch.Tensor.data_ptr, params))):
             return cached
         names: List[Optional[str]] = []
         for group in self.param_groups:
@@ -750,6 +752,7 @@ class SharpnessAware(torch.optim.Optimizer):
                 own[q]["slope"] = v
             lists.buffers["slope"] = flat.views
             lists.flat_slope = flat
+            lists.storage_params = ondevice.storage_views(lists.params)
         return lists.flat_slope
 
     def _perturb_on_device(self, step: StepInFlight) -> bool:
@@ -796,7 +799,8 @@ class SharpnessAware(torch.optim.Optimizer):
         inner = torch.dot(v.flat, previous) if self._scalar_stability() else None  # <v_t, v_{t-1}>
         self._keep_for_descent(step, v.views)              # x_t for an exact restore, g_t for GSAM
         unit = P.unit_scale(slope_norm)                     # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
-        P.move_(step.params, v.views, unit, rho=step.rho)   # x_t + eps_t
+        # x_t + eps_t: v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
+        P.move_(lists.storage_params, v.split(torch.mul(v.flat, unit, out=previous)), step.rho)
         step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
         _moved_parameters()
         return finite, slope_norm, inner
@@ -865,6 +869,9 @@ class SharpnessAware(torch.optim.Optimizer):
         step = self._pending
         if step is None or step.kind is not Kind.PERTURBED or not step.at_ascent:
             return
+        # (a step decided on the device recomputes the ascent's product per tensor, as move_ did not:
+        # one flat product would be a fresh model-sized block here, which glibc maps anew at every
+        # step on a CPU, above 32 MiB; perturb() had v_{t-1}'s dead copy to write it into)
         P.descend_from_ascent_(step.params, step.slopes, step.scale, step.anchors,
                                rho=step.rho if torch.is_tensor(step.scale) else 1.0)
         if step.exchange is not None:  # partition_group: the other owners' parameters too

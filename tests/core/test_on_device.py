@@ -177,6 +177,62 @@ def test_flat_slope_buffers_keep_channels_last():
 
 
 @pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+def test_the_ascent_moves_each_parameter_along_its_own_slope_channels_last_too(kind):
+    """The ascent's product is made over the flat slope buffer and added through the
+    parameters' 1-D views in storage order (plugins.ondevice.storage_views, Flat.split):
+    element for element it lands on the parameter it belongs to, channels_last weights
+    (whose storage order is not their logical order) included, and descend() undoes it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
+                                torch.nn.Flatten(), torch.nn.Linear(100, 5)).to(memory_format=torch.channels_last)
+    x = torch.randn(6, 3, 9, 9).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 5, (6,))
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
+    for _ in range(2):  # the first step makes the slope buffers, the second the flat one
+        opt.step(closure_for(opt, model, x, y))
+    first_backward(model, x, y)
+    before = [q.detach().clone() for q in model.parameters()]
+    assert opt.perturb() and opt._lists.flat_slope is not None
+    slopes = [opt.state[q]["sam_slope"] for q in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.cat([s.flatten() for s in slopes]))
+    for q, x0, v in zip(model.parameters(), before, slopes):
+        torch.testing.assert_close(q.detach() - x0, 0.1 * v / norm, rtol=1e-4, atol=1e-6)
+    opt.restore()
+    for q, x0 in zip(model.parameters(), before):
+        torch.testing.assert_close(q.detach(), x0, rtol=0, atol=1e-6)
+    opt.abandon()
+
+
+def test_parameters_whose_data_are_replaced_get_new_flat_buffers():
+    """``module.to(memory_format=...)`` replaces each 4-D weight's ``.data`` (the same Parameter,
+    other strides, other storage): the cached lists, the flat buffer that mirrors the strides and
+    the 1-D aliases of the storage must not be found again, or the ascent would go to the old
+    storage; the slopes carry over, value for value."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
+                                torch.nn.Flatten(), torch.nn.Linear(100, 5))
+    x, y = torch.randn(6, 3, 9, 9), torch.randint(0, 5, (6,))
+    opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
+    for _ in range(2):
+        opt.step(closure_for(opt, model, x, y))
+    old = opt._lists
+    slopes = [opt.state[q]["sam_slope"].clone() for q in model.parameters()]
+    model.to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    first_backward(model, x, y)
+    before = [q.detach().clone() for q in model.parameters()]
+    assert opt.perturb()
+    assert opt._lists is not old and opt._lists.flat_slope is not None
+    kept = [opt.state[q]["sam_slope"] for q in model.parameters()]
+    assert kept[0].stride() == model[0].weight.stride()
+    d = [0.6 * s + 0.4 * q.grad for s, q in zip(slopes, model.parameters())]  # d_t from the slopes carried over
+    norm = torch.linalg.vector_norm(torch.cat([v.flatten() for v in d]))
+    for q, x0, v in zip(model.parameters(), before, d):
+        torch.testing.assert_close(q.detach() - x0, 0.1 * v / norm, rtol=1e-4, atol=1e-6)
+    opt.abandon()
+
+
+@pytest.mark.parametrize("kind", ["SAM", "VASSO"])
 def test_a_state_dict_saved_mid_run_resumes_on_the_device_path(kind, tmp_path):
     """The slope buffers are views of one flat tensor: saved and loaded as any state, and made
     flat again by the first step after the load; the resumed run continues bit for bit."""
