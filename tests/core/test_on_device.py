@@ -11,8 +11,8 @@ import torch
 
 from plugins import SAM, VASSO
 from plugins.perturbation import rng_state
-from core_helpers import (backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on, make_batches,
-                          make_model)
+from core_helpers import (backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on,
+                          make_batches, make_model)
 
 DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap", "nonfinite", "rho")
 

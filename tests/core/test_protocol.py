@@ -8,9 +8,9 @@ from plugins import SAM, VASSO
 from plugins import rng_state
 from plugins.lab.selftest.checks import protocol_step
 from plugins.perturbation import second_pass_coin
-from core_helpers import (FAMILY, CountSyncCalls, CountSyncs, backward_for, build, closure_for, cpu_scaler, expected_syncs,
-                          first_backward, flat, fused_adamw_on, make_batches, make_model, skip_without_cpu_matmul,
-                          steps_on_device)
+from core_helpers import (FAMILY, CountSyncCalls, CountSyncs, backward_for, build, closure_for, cpu_scaler,
+                          expected_syncs, first_backward, flat, fused_adamw_on, make_batches, make_model,
+                          skip_without_cpu_matmul, steps_on_device)
 
 
 def bn_closure(opt, model, x, y, counted):
