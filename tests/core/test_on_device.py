@@ -176,17 +176,19 @@ def test_flat_slope_buffers_keep_channels_last():
     assert all(v.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr() for v in views)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["SAM", "VASSO"])
-def test_the_ascent_moves_each_parameter_along_its_own_slope_channels_last_too(kind):
+def test_the_ascent_moves_each_parameter_along_its_own_slope_channels_last_too(kind, device):
     """The ascent's product is made over the flat slope buffer and added through the
     parameters' 1-D views in storage order (plugins.ondevice.storage_views, Flat.split):
     element for element it lands on the parameter it belongs to, channels_last weights
     (whose storage order is not their logical order) included, and descend() undoes it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
-                                torch.nn.Flatten(), torch.nn.Linear(100, 5)).to(memory_format=torch.channels_last)
-    x = torch.randn(6, 3, 9, 9).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 5, (6,))
+                                torch.nn.Flatten(), torch.nn.Linear(100, 5))
+    model.to(device, memory_format=torch.channels_last)
+    x = torch.randn(6, 3, 9, 9).to(device, memory_format=torch.channels_last)
+    y = torch.randint(0, 5, (6,)).to(device)
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
     for _ in range(2):  # the first step makes the slope buffers, the second the flat one
         opt.step(closure_for(opt, model, x, y))
