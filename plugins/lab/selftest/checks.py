@@ -342,11 +342,35 @@ def scaled_step(opt, model, scaler, backward, api: str) -> None:
     protocol_step(opt, model, backward, api, scaler)
 
 
-def _one_step(opt, model, scaler, x, y, api):
-    def backward():
-        scaler.scale(F.cross_entropy(model(x), y)).backward()
+def _syncs_per_step(member: str, api: str, device: str, cuda: bool, scaler=None, batches_: int = 6,
+                    **core_kw) -> Tuple[List[int], Optional[int]]:
+    """Host syncs counted in each step of ``member`` after the first three (lazy
+    initializations; the first two-pass step makes the slope buffers), and, on a GPU, the
+    synchronizations torch's CUDA sync debug mode saw in one more step (None elsewhere)."""
+    model = TinyMLP(initial_parameters(), device)
+    opt = _core(member, model.parameters(), **core_kw)
+    data = [(x.to(device, torch.float32), y.to(device)) for x, y in batches(batches_)]
 
-    scaled_step(opt, model, scaler, backward, api)
+    def step(x, y):
+        def backward():
+            loss = F.cross_entropy(model(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            return loss
+        protocol_step(opt, model, backward, api, scaler)
+
+    for x, y in data[:3]:
+        step(x, y)
+    counts = []
+    for x, y in data[3:]:
+        with CountSyncs() as syncs:
+            step(x, y)
+        counts.append(syncs.count)
+    if not cuda:
+        return counts, None
+    torch.cuda.synchronize(device)
+    with cuda_sync_debug_warnings() as seen:
+        step(*data[-1])
+    return counts, len(seen)
 
 
 def sync_limit(member: str) -> int:
@@ -369,27 +393,13 @@ def check_host_syncs(device: str) -> Figure:
     for member in MEMBERS:
         limit = sync_limit(member)
         for api in ("closure", "explicit"):
-            model = TinyMLP(initial_parameters(), device)
-            opt = _core(member, model.parameters(), lr=0.1, rho=0.2)
-            scaler = make_scaler(device, init_scale=2.0 ** 8)
-            data = [(x.to(device, torch.float32), y.to(device)) for x, y in batches(6)]
-            for x, y in data[:3]:  # lazy initializations sync once; the first two-pass step makes the slopes
-                _one_step(opt, model, scaler, x, y, api)
-            counts = []
-            for x, y in data[3:]:
-                with CountSyncs() as syncs:
-                    _one_step(opt, model, scaler, x, y, api)
-                counts.append(syncs.count)
             key = f"{member} {api}"
-            counted[key] = counts
-            if max(counts) > limit:
-                failures.append(f"{key}: {max(counts)} syncs in a step (at most {limit})")
+            counted[key], n = _syncs_per_step(member, api, device, cuda, make_scaler(device, init_scale=2.0 ** 8),
+                                              lr=0.1, rho=0.2)
+            if max(counted[key]) > limit:
+                failures.append(f"{key}: {max(counted[key])} syncs in a step (at most {limit})")
             if cuda:
-                x, y = data[-1]
-                torch.cuda.synchronize(device)
-                with cuda_sync_debug_warnings() as seen:
-                    _one_step(opt, model, scaler, x, y, api)
-                debug[key] = n = len(seen)
+                debug[key] = n
                 if n > limit:
                     failures.append(f"{key}: torch's sync debug mode saw {n} syncs in a step (at most {limit})")
     details = {"counted_per_step": counted, "limit": {m: sync_limit(m) for m in MEMBERS}}
@@ -435,35 +445,16 @@ def _fused_syncs(device: str, cuda: bool, details: Dict, failures: List[str]) ->
     for scaled in (False, True):
         for member in ON_DEVICE:
             for api in ("closure", "explicit"):
-                model = TinyMLP(initial_parameters(), device)
-                opt = _core(member, model.parameters(), torch.optim.AdamW, lr=1e-2, rho=0.2, fused=True)
-                scaler = make_scaler(device, init_scale=2.0 ** 8) if scaled else None
-                data = [(x.to(device, torch.float32), y.to(device)) for x, y in batches(8)]
-
-                def step(x, y):
-                    def backward():
-                        loss = F.cross_entropy(model(x), y)
-                        (scaler.scale(loss) if scaled else loss).backward()
-                        return loss
-                    protocol_step(opt, model, backward, api, scaler)
-
-                for x, y in data[:3]:  # the first two-pass step makes the slope buffers (host path)
-                    step(x, y)
                 key = f"{member} {api}{' scaled' if scaled else ''}"
-                counted[key] = []
-                for x, y in data[3:]:
-                    with CountSyncs() as syncs:
-                        step(x, y)
-                    counted[key].append(syncs.count)
+                scaler = make_scaler(device, init_scale=2.0 ** 8) if scaled else None
+                counted[key], n = _syncs_per_step(member, api, device, cuda, scaler, batches_=8,
+                                                  base=torch.optim.AdamW, lr=1e-2, rho=0.2, fused=True)
                 if max(counted[key]) > MAX_SYNCS["fused base"]:
                     failures.append(f"{key}, fused AdamW: {max(counted[key])} syncs in a step (expected 0)")
                 if cuda:
-                    torch.cuda.synchronize(device)
-                    with cuda_sync_debug_warnings() as seen:
-                        step(*data[-1])
-                    debug[key] = len(seen)
-                    if seen:
-                        failures.append(f"{key}, fused AdamW: torch's sync debug mode saw {len(seen)} syncs")
+                    debug[key] = n
+                    if n:
+                        failures.append(f"{key}, fused AdamW: torch's sync debug mode saw {n} syncs")
     details["fused_counted_per_step"] = counted
     figure = (f"fused AdamW ({', '.join(ON_DEVICE)}), with a scaler and without: at most "
               f"{max(max(c) for c in counted.values())}")
