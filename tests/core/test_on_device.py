@@ -159,13 +159,29 @@ def test_no_first_gradient_is_held_through_the_second_pass(kind, path):
         assert alive == [0], (t, alive)
 
 
-def test_flat_slope_buffers_keep_channels_last():
+def conv_net_and_batch(device: str = "cpu", channels_last: bool = True):
+    """A small convolutional net and a batch of six 9x9 images; with ``channels_last`` the 4-D
+    weights' storage order is not their logical order."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
-                                torch.nn.Flatten(), torch.nn.Linear(100, 5)).to(memory_format=torch.channels_last)
+                                torch.nn.Flatten(), torch.nn.Linear(100, 5))
+    x, y = torch.randn(6, 3, 9, 9), torch.randint(0, 5, (6,))
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    return model.to(device), x.to(device), y.to(device)
+
+
+def assert_moved_along(params, before, slopes, rho: float) -> None:
+    """Each parameter sits at its ``x_t`` plus ``rho * v / ||v||`` of its own slope ``v``."""
+    norm = torch.linalg.vector_norm(torch.cat([v.flatten() for v in slopes]))
+    for q, x0, v in zip(params, before, slopes):
+        torch.testing.assert_close(q.detach() - x0, rho * v / norm, rtol=1e-4, atol=1e-6)
+
+
+def test_flat_slope_buffers_keep_channels_last():
+    model, x, y = conv_net_and_batch()
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last) and not model[0].weight.is_contiguous()
-    x = torch.randn(6, 3, 9, 9).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 5, (6,))
     opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
     for _ in range(3):
         opt.step(closure_for(opt, model, x, y))
@@ -183,22 +199,14 @@ def test_the_ascent_moves_each_parameter_along_its_own_slope_channels_last_too(k
     parameters' 1-D views in storage order (plugins.ondevice.storage_views, Flat.split):
     element for element it lands on the parameter it belongs to, channels_last weights
     (whose storage order is not their logical order) included, and descend() undoes it."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
-                                torch.nn.Flatten(), torch.nn.Linear(100, 5))
-    model.to(device, memory_format=torch.channels_last)
-    x = torch.randn(6, 3, 9, 9).to(device, memory_format=torch.channels_last)
-    y = torch.randint(0, 5, (6,)).to(device)
+    model, x, y = conv_net_and_batch(device)
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
     for _ in range(2):  # the first step makes the slope buffers, the second the flat one
         opt.step(closure_for(opt, model, x, y))
     first_backward(model, x, y)
     before = [q.detach().clone() for q in model.parameters()]
     assert opt.perturb() and opt._lists.flat_slope is not None
-    slopes = [opt.state[q]["sam_slope"] for q in model.parameters()]
-    norm = torch.linalg.vector_norm(torch.cat([s.flatten() for s in slopes]))
-    for q, x0, v in zip(model.parameters(), before, slopes):
-        torch.testing.assert_close(q.detach() - x0, 0.1 * v / norm, rtol=1e-4, atol=1e-6)
+    assert_moved_along(model.parameters(), before, [opt.state[q]["sam_slope"] for q in model.parameters()], 0.1)
     opt.restore()
     for q, x0 in zip(model.parameters(), before):
         torch.testing.assert_close(q.detach(), x0, rtol=0, atol=1e-6)
@@ -210,10 +218,7 @@ def test_parameters_whose_data_are_replaced_get_new_flat_buffers():
     other strides, other storage): the cached lists, the flat buffer that mirrors the strides and
     the 1-D aliases of the storage must not be found again, or the ascent would go to the old
     storage; the slopes carry over, value for value."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
-                                torch.nn.Flatten(), torch.nn.Linear(100, 5))
-    x, y = torch.randn(6, 3, 9, 9), torch.randint(0, 5, (6,))
+    model, x, y = conv_net_and_batch(channels_last=False)
     opt = VASSO(model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
     for _ in range(2):
         opt.step(closure_for(opt, model, x, y))
@@ -228,9 +233,7 @@ def test_parameters_whose_data_are_replaced_get_new_flat_buffers():
     kept = [opt.state[q]["sam_slope"] for q in model.parameters()]
     assert kept[0].stride() == model[0].weight.stride()
     d = [0.6 * s + 0.4 * q.grad for s, q in zip(slopes, model.parameters())]  # d_t from the slopes carried over
-    norm = torch.linalg.vector_norm(torch.cat([v.flatten() for v in d]))
-    for q, x0, v in zip(model.parameters(), before, d):
-        torch.testing.assert_close(q.detach() - x0, 0.1 * v / norm, rtol=1e-4, atol=1e-6)
+    assert_moved_along(model.parameters(), before, d, 0.1)
     opt.abandon()
 
 
