@@ -3,7 +3,7 @@
 A GPU runs ahead of the Python that feeds it; every read of a device value on the host
 (``.item()``, ``float()``, ``if tensor:``) makes the host wait until the GPU has drained
 its queue.  The step's decisions are therefore taken on the device where the
-configuration allows it (:meth:`plugins.SharpnessAware._decides_on_device`,
+configuration allows it (:func:`plugins.device_step.decides`,
 ``docs/design.md``, section 7): the finiteness of ``g_t`` and ``h_t`` is a 0-dim device
 bool, a non-finite ``g_t`` is replaced by ``d_{t-1}`` (SAM: the kept slope) before it is
 used, the ascent's scale is 0 then, and the base optimizer is handed the verdict as
@@ -17,7 +17,7 @@ Here: the flat buffers such a step works on (:class:`Flat`), the base step given
 device verdict (:func:`base_step`), and the verdicts on their way to the host, so that
 a skipped step is counted and warned about a step or so late instead of making the step
 wait (:class:`Verdicts`).
-The rule itself is :meth:`plugins.SharpnessAware._rule_on_device`.  Torch only.
+The step's phases, the rule among them, are :mod:`plugins.device_step`.  Torch only.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from . import diagnostics, ondevice, reductions, scaling
+from . import device_step, diagnostics, ondevice, reductions, scaling
 from . import distributed as D
 from . import perturbation as P
 from . import state as S
@@ -436,8 +436,11 @@ class SharpnessAware(torch.optim.Optimizer):
         """Steps started so far (the coin of step t is a function of (seed, t))."""
         return self._step
 
-
     # ------------------------------------------------------------------ the explicit API
+
+    # The step decided on the device (plugins.device_step) where decides() allows it; False:
+    # every step reads its scalars on the host, as before the device path (tests compare the two)
+    _decide_on_device = True
 
     @torch.no_grad()
     def perturb(self, scaler=None, *, loss=None) -> bool:
@@ -460,8 +463,8 @@ class SharpnessAware(torch.optim.Optimizer):
         if self._pending is not None:
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
         step = self._begin(scaler, loss)          # the coin, rho, the step's lists; g_t unscaled where kept
-        if self._decides_on_device(step):         # no host read: the finiteness of g_t stays on the device
-            return self._perturb_on_device(step)
+        if device_step.decides(self, step):       # no host read: the finiteness of g_t stays on the device
+            return device_step.perturb(self, step)
         sums = self._first_pass_sums(step)        # one reduction, one host read: ||g_t||, ||d_t||, ...
         if not math.isfinite(sums["grad"]):       # the finiteness decision: nothing has moved, d_{t-1} kept
             step.kind = Kind.NONFINITE
@@ -626,7 +629,7 @@ class SharpnessAware(torch.optim.Optimizer):
         step.slopes, step.slope_norm, step.at_ascent = d_t, d_t_norm, True
         if self.adaptive and "scaled_slope" not in sums:
             sums["scaled_slope"] = tv_norm                     # ||T v_t||, reduced by the ascent
-        _moved_parameters()
+        P.moved_parameters()
 
     def _write_slope(self, step: StepInFlight, grads: List[torch.Tensor], sums: Dict[str, float]):
         """The slope buffers after this step, and ``||v_t||`` (NaN where no ascent is built):
@@ -710,157 +713,6 @@ class SharpnessAware(torch.optim.Optimizer):
         own = self._own_state
         return [D.local(own[q]["slope"]) if "slope" in own.get(q, ()) else None for q in lists.params]
 
-    # -------------------------------------------------------------- the step decided on the device
-
-    # False: every step reads its scalars on the host, as before the device path (tests compare the two)
-    _decide_on_device = True
-
-    def _decides_on_device(self, step: StepInFlight) -> bool:
-        """Whether this step keeps its decisions on the device (:mod:`plugins.ondevice`,
-        ``docs/design.md``, section 7): one process or replicas, one device and dtype
-        (float32/64), plain geometry (a GradScaler or none), and a slope buffer for every
-        parameter already (the first step, which makes them, ``d_0 = g_0`` from a finite
-        ``g_0``, reads on the host once)."""
-        if not (self._decide_on_device and step.lists.on_device and not self.adaptive
-                and self.partition_group is None):
-            return False
-        if self.track_stability and self.theta is not None and self.p < 1.0:
-            return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
-        dtype = step.lists.params[0].dtype
-        if any(g.dtype is not dtype for g in step.grads):
-            return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
-        flat = self._flat_slope(step.lists)
-        if flat is None:
-            return False
-        # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
-        # held here, those would stay alive through the second pass (one model's size at the peak)
-        step.previous_slopes = flat.views
-        return True
-
-    def _flat_slope(self, lists: StepLists) -> Optional[ondevice.Flat]:
-        """The slope buffers as views of one flat tensor, so that a check or a selection
-        over all of them is one kernel: made once per set of parameters, from the buffers
-        the first steps wrote (None while a parameter has none)."""
-        if lists.flat_slope is None:
-            own = self._own_state
-            kept = [own[q].get("slope") if q in own else None for q in lists.params]
-            if any(v is None for v in kept):
-                return None
-            flat = ondevice.Flat(lists.params)
-            torch._foreach_copy_(flat.views, kept)
-            for q, v in zip(lists.params, flat.views):
-                own[q]["slope"] = v
-            lists.buffers["slope"] = flat.views
-            lists.flat_slope = flat
-            lists.storage_params = ondevice.storage_views(lists.params)
-        return lists.flat_slope
-
-    def _perturb_on_device(self, step: StepInFlight) -> bool:
-        """:meth:`perturb` with no host read.  Returns the coin: True means run the second
-        pass, even where ``g_t`` was not finite (nothing moved then, and :meth:`descend`
-        skips the base step on the device)."""
-        finite, slope_norm, inner = self._rule_on_device(step)
-        step.finite = finite
-        zero, one = step.lists.constants()[:2]
-        step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
-        if step.two_pass:
-            self._diagnose_on_device(step, slope_norm, inner)
-            step.kind = Kind.PERTURBED
-            step.grads = None  # as perturb()'s: g_t is not held through the second pass
-        else:
-            step.kind = Kind.FIRST_GRADIENT
-            step.diagnostics.later(("nonfinite",), lambda: (~finite).double().reshape(1))
-        self._pending = step
-        return step.two_pass
-
-    def _rule_on_device(self, step: StepInFlight):
-        """The paper's rule as :meth:`_rule` states it, with its one decision on the device:
-        the slope buffer takes ``v_t`` in place, and where ``g_t`` was not finite one
-        ``torch.where`` puts ``v_{t-1}`` back before anything uses it, so that ``d_t =
-        d_{t-1}`` and the ascent's scale is 0.  Returns ``g_t``'s finiteness, ``||v_t||`` and
-        ``<v_t, v_{t-1}>`` (the stability's), on the device."""
-        lists, theta = step.lists, self.theta
-        v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
-        if theta is None and not step.two_pass:             # SAM's slope keeps the last ascent's g: only check g_t
-            return ondevice.total_norm(step.grads) < math.inf, None, None
-        grads = step.grads
-        if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
-            grads = scaling.unscale(grads, step.loss_scale, in_place=False)
-        previous = v.flat.clone()                           # v_{t-1}, for a non-finite g_t (freed at return)
-        if theta is not None:
-            P.moving_average(v.views, grads, theta, in_place=True)  # eq. (5a): d_t
-        else:
-            torch._foreach_copy_(v.views, step.grads)       # SAM: v_t = g_t
-        slope_norm = torch.linalg.vector_norm(v.flat)       # ||v_t||: finite iff g_t is (v_{t-1} is)
-        finite = slope_norm < math.inf
-        torch.where(finite, v.flat, previous, out=v.flat)   # a non-finite g_t leaves v_{t-1}
-        if not step.two_pass:
-            return finite, None, None
-        inner = torch.dot(v.flat, previous) if self._scalar_stability() else None  # <v_t, v_{t-1}>
-        self._keep_for_descent(step, v.views)              # x_t for an exact restore, g_t for GSAM
-        unit = P.unit_scale(slope_norm)                     # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
-        # x_t + eps_t: v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
-        P.move_(lists.storage_params, v.split(torch.mul(v.flat, unit, out=previous)), step.rho)
-        step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
-        _moved_parameters()
-        return finite, slope_norm, inner
-
-    def _diagnose_on_device(self, step: StepInFlight, slope_norm: torch.Tensor, inner) -> None:
-        """The step's diagnostics as :meth:`_diagnose` gives them, computed only when read
-        (:meth:`plugins.diagnostics.Diagnostics.later`); the last applied ascent's
-        ``[s, ||v||]`` is kept on the device for the next step's stability."""
-        rho, finite, unit = step.rho, step.finite, step.scale
-        stability = self.track_stability and inner is not None
-        last = self._last_ascent(unit) if self.track_stability else None
-        if self.track_stability:  # s = rho / ||v||: the next step's previous ascent
-            self._last = torch.where(finite, torch.stack([unit * rho, slope_norm.to(unit.dtype)]), last)
-
-        def compute() -> torch.Tensor:
-            norm = slope_norm.double()
-            nan = torch.full((), _NAN, dtype=torch.float64, device=norm.device)
-            ascent_norm = P.plain_ascent_norm(rho, norm)
-            value = nan
-            if stability:
-                s_last, norm_last = last.double().unbind(0)
-                value = P.plain_stability(unit.double() * rho, s_last, inner.double(), ascent_norm,
-                                          s_last * norm_last)
-            taken = torch.stack([torch.ones_like(norm), ascent_norm, P.estimated_sharpness(rho, norm), value,
-                                 torch.zeros_like(norm)])
-            skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
-            return torch.where(finite, taken, skipped)
-        step.diagnostics.later(("two_pass", "ascent_norm", "sharpness", "stability", "nonfinite"), compute)
-
-    def _descend_on_device(self, step: StepInFlight, grad_scale: Optional[torch.Tensor] = None,
-                           found_inf: Optional[torch.Tensor] = None) -> Optional[bool]:
-        """:meth:`_descend`'s base step for a step decided on the device (parameters back at
-        ``x_t`` already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as
-        torch's ``found_inf``; one host read where the base cannot take it.  Under a scaler,
-        ``found_inf`` is the scaler's verdict on ``.grad`` (``h_t``, or a one-pass step's
-        ``g_t``: not checked again) and ``grad_scale`` the scale ``.grad`` still carries."""
-        zero, one, two = step.lists.constants()
-        verdict = step.found_inf  # g_t's, from perturb()
-        if found_inf is not None:
-            verdict = torch.maximum(verdict, torch.where(found_inf.to(verdict.device) > 0, one, zero))
-        grads = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
-        if grad_scale is not None and grads:  # unscaled exactly once
-            scaling.unscale(grads, grad_scale, in_place=True)
-        if step.kind is Kind.PERTURBED:
-            if found_inf is None:
-                ondevice.check_finite_(grads, verdict, one)  # h_t's too
-            if self.gsam_alpha > 0.0 and step.rho > 0.0 and grads:  # GSAM: h_t - alpha g_t^perp (rho 0: h == g)
-                second, firsts, plan = self._second_grads(step)
-                h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
-                self._gsam_correct(step, second, firsts, h_norm, g_dot_h)
-        code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
-        read = ondevice.base_step(self.base_optimizer, verdict, code)  # the code, where the host had to read it
-        _moved_parameters()
-        if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
-            self._verdicts.send(self._step - 1, code, step.scaled)
-            return None
-        if read:
-            self._skip_nonfinite(ondevice.Verdicts.WHICH[read], step.scaled)
-        return read == 0
-
     # -------------------------------------------------------------- the second half
 
     @torch.no_grad()
@@ -877,7 +729,7 @@ class SharpnessAware(torch.optim.Optimizer):
         if step.exchange is not None:  # partition_group: the other owners' parameters too
             step.exchange.restore()
         step.at_ascent = False
-        _moved_parameters()
+        P.moved_parameters()
 
     def abandon(self) -> None:
         """Restore and drop the step in flight without a base step (the host skipped the update)."""
@@ -921,7 +773,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._pending = None
         self.in_second_pass = False
         if step.finite is not None:  # perturb() decided on the device
-            return self._descend_on_device(step, grad_scale, found_inf)
+            return device_step.descend(self, step, grad_scale, found_inf)
         if step.kind is Kind.NONFINITE:
             return False
         if step.kind is Kind.FIRST_GRADIENT:  # g_t, found finite by perturb(): nothing to decide again
@@ -1002,7 +854,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _base_step(self) -> None:
         self.base_optimizer.step()
-        _moved_parameters()
+        P.moved_parameters()
 
     @contextlib.contextmanager
     def second_pass(self, model: Optional[torch.nn.Module] = None, rng: Optional[tuple] = None) -> Iterator[None]:
@@ -1320,14 +1172,6 @@ def _copy_(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> Non
 def _times(vs: List[torch.Tensor], ts: List[torch.Tensor]) -> List[torch.Tensor]:
     """``T v`` tensor by tensor, for the norm ``||T v_t||`` taken before the ascent."""
     return [v * t.to(v.dtype) for v, t in zip(vs, ts)]
-
-
-def _moved_parameters() -> None:
-    """The parameters moved: drop autocast's cached low-precision copies of them.  Inside
-    one autocast region torch casts each leaf parameter once and reuses the copy, so a
-    second pass under the autocast of the first (``with autocast(): opt.step(closure)``)
-    would otherwise run at ``x_t``, not at ``x_t + eps_t``."""
-    torch.clear_autocast_cache()
 
 
 def _unexpected_step_arguments(cls: str, unexpected: Dict[str, Any]) -> str:

@@ -315,6 +315,14 @@ def rng_state() -> tuple:
     return torch.get_rng_state(), cuda
 
 
+def moved_parameters() -> None:
+    """The parameters moved: drop autocast's cached low-precision copies of them.  Inside
+    one autocast region torch casts each leaf parameter once and reuses the copy, so a
+    second pass under the autocast of the first (``with autocast(): opt.step(closure)``)
+    would otherwise run at ``x_t``, not at ``x_t + eps_t``."""
+    torch.clear_autocast_cache()
+
+
 def set_rng_state(state: tuple) -> None:
     cpu, cuda = state
     torch.set_rng_state(cpu)

@@ -1,0 +1,179 @@
+"""The step decided on the device: :meth:`plugins.SharpnessAware.perturb`'s and
+:meth:`~plugins.SharpnessAware.descend`'s phases with no host read (``docs/design.md``,
+section 7).
+
+:meth:`~plugins.SharpnessAware.perturb` hands a step here when :func:`decides` says its
+configuration allows it; the rule is then :func:`rule`, the paper's rule as
+:meth:`~plugins.SharpnessAware._rule` states it with its one decision (is ``g_t``
+finite?) kept on the device, and :func:`descend` hands the base optimizer the verdict
+as torch's ``found_inf``.  What these phases work with (the flat buffers, the base step
+given a device verdict, the verdicts on their way to the host) is :mod:`plugins.ondevice`;
+every formula is :mod:`plugins.perturbation`'s.  As torch's FSDP does with its runtime,
+each phase is a function of the optimizer whose state it reads and writes.  Torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import ondevice, scaling
+from . import perturbation as P
+from .inflight import Kind, StepInFlight, StepLists
+from .reductions import Sums
+
+__all__ = ["decides", "perturb", "rule", "descend"]
+
+_NAN = float("nan")
+
+
+def decides(opt, step: StepInFlight) -> bool:
+    """Whether this step keeps its decisions on the device: one process or replicas, one
+    device and dtype (float32/64), plain geometry (a GradScaler or none), and a slope buffer
+    for every parameter already (the first step, which makes them, ``d_0 = g_0`` from a
+    finite ``g_0``, reads on the host once)."""
+    if not (opt._decide_on_device and step.lists.on_device and not opt.adaptive and opt.partition_group is None):
+        return False
+    if opt.track_stability and opt.theta is not None and opt.p < 1.0:
+        return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
+    dtype = step.lists.params[0].dtype
+    if any(g.dtype is not dtype for g in step.grads):
+        return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
+    flat = _flat_slope(opt, step.lists)
+    if flat is None:
+        return False
+    # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
+    # held here, those would stay alive through the second pass (one model's size at the peak)
+    step.previous_slopes = flat.views
+    return True
+
+
+def _flat_slope(opt, lists: StepLists) -> Optional[ondevice.Flat]:
+    """The slope buffers as views of one flat tensor, so that a check or a selection over
+    all of them is one kernel: made once per set of parameters, from the buffers the first
+    steps wrote (None while a parameter has none)."""
+    if lists.flat_slope is None:
+        own = opt._own_state
+        kept = [own[q].get("slope") if q in own else None for q in lists.params]
+        if any(v is None for v in kept):
+            return None
+        flat = ondevice.Flat(lists.params)
+        torch._foreach_copy_(flat.views, kept)
+        for q, v in zip(lists.params, flat.views):
+            own[q]["slope"] = v
+        lists.buffers["slope"] = flat.views
+        lists.flat_slope = flat
+        lists.storage_params = ondevice.storage_views(lists.params)
+    return lists.flat_slope
+
+
+def perturb(opt, step: StepInFlight) -> bool:
+    """:meth:`~plugins.SharpnessAware.perturb` with no host read.  Returns the coin: True
+    means run the second pass, even where ``g_t`` was not finite (nothing moved then, and
+    :func:`descend` skips the base step on the device)."""
+    finite, slope_norm, inner = rule(opt, step)
+    step.finite = finite
+    zero, one = step.lists.constants()[:2]
+    step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
+    if step.two_pass:
+        _diagnose(opt, step, slope_norm, inner)
+        step.kind = Kind.PERTURBED
+        step.grads = None  # as perturb()'s: g_t is not held through the second pass
+    else:
+        step.kind = Kind.FIRST_GRADIENT
+        step.diagnostics.later(("nonfinite",), lambda: (~finite).double().reshape(1))
+    opt._pending = step
+    return step.two_pass
+
+
+def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The paper's rule as :meth:`~plugins.SharpnessAware._rule` states it, with its one
+    decision on the device: the slope buffer takes ``v_t`` in place, and where ``g_t`` was
+    not finite one ``torch.where`` puts ``v_{t-1}`` back before anything uses it, so that
+    ``d_t = d_{t-1}`` and the ascent's scale is 0.  Returns ``g_t``'s finiteness,
+    ``||v_t||`` and ``<v_t, v_{t-1}>`` (the stability's), on the device."""
+    lists, theta = step.lists, opt.theta
+    v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
+    if theta is None and not step.two_pass:             # SAM's slope keeps the last ascent's g: only check g_t
+        return ondevice.total_norm(step.grads) < math.inf, None, None
+    grads = step.grads
+    if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
+        grads = scaling.unscale(grads, step.loss_scale, in_place=False)
+    previous = v.flat.clone()                           # v_{t-1}, for a non-finite g_t (freed at return)
+    if theta is not None:
+        P.moving_average(v.views, grads, theta, in_place=True)  # eq. (5a): d_t
+    else:
+        torch._foreach_copy_(v.views, step.grads)       # SAM: v_t = g_t
+    slope_norm = torch.linalg.vector_norm(v.flat)       # ||v_t||: finite iff g_t is (v_{t-1} is)
+    finite = slope_norm < math.inf
+    torch.where(finite, v.flat, previous, out=v.flat)   # a non-finite g_t leaves v_{t-1}
+    if not step.two_pass:
+        return finite, None, None
+    inner = torch.dot(v.flat, previous) if opt._scalar_stability() else None  # <v_t, v_{t-1}>
+    opt._keep_for_descent(step, v.views)               # x_t for an exact restore, g_t for GSAM
+    unit = P.unit_scale(slope_norm)                     # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
+    # x_t + eps_t: v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
+    P.move_(lists.storage_params, v.split(torch.mul(v.flat, unit, out=previous)), step.rho)
+    step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
+    P.moved_parameters()
+    return finite, slope_norm, inner
+
+
+def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner) -> None:
+    """The step's diagnostics as :meth:`~plugins.SharpnessAware._diagnose` gives them,
+    computed only when read (:meth:`plugins.diagnostics.Diagnostics.later`); the last
+    applied ascent's ``[s, ||v||]`` is kept on the device for the next step's stability."""
+    rho, finite, unit = step.rho, step.finite, step.scale
+    stability = opt.track_stability and inner is not None
+    last = opt._last_ascent(unit) if opt.track_stability else None
+    if opt.track_stability:  # s = rho / ||v||: the next step's previous ascent
+        opt._last = torch.where(finite, torch.stack([unit * rho, slope_norm.to(unit.dtype)]), last)
+
+    def compute() -> torch.Tensor:
+        norm = slope_norm.double()
+        nan = torch.full((), _NAN, dtype=torch.float64, device=norm.device)
+        ascent_norm = P.plain_ascent_norm(rho, norm)
+        value = nan
+        if stability:
+            s_last, norm_last = last.double().unbind(0)
+            value = P.plain_stability(unit.double() * rho, s_last, inner.double(), ascent_norm, s_last * norm_last)
+        taken = torch.stack([torch.ones_like(norm), ascent_norm, P.estimated_sharpness(rho, norm), value,
+                             torch.zeros_like(norm)])
+        skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
+        return torch.where(finite, taken, skipped)
+    step.diagnostics.later(("two_pass", "ascent_norm", "sharpness", "stability", "nonfinite"), compute)
+
+
+def descend(opt, step: StepInFlight, grad_scale: Optional[torch.Tensor] = None,
+            found_inf: Optional[torch.Tensor] = None) -> Optional[bool]:
+    """:meth:`~plugins.SharpnessAware.descend`'s base step for a step decided on the device
+    (parameters back at ``x_t`` already): the verdict on ``g_t`` and ``h_t`` goes to the
+    base optimizer as torch's ``found_inf``; one host read where the base cannot take it
+    (then returns whether it stepped; None where the device decided).  Under a scaler,
+    ``found_inf`` is the scaler's verdict on ``.grad`` (``h_t``, or a one-pass step's
+    ``g_t``: not checked again) and ``grad_scale`` the scale ``.grad`` still carries."""
+    zero, one, two = step.lists.constants()
+    verdict = step.found_inf  # g_t's, from perturb()
+    if found_inf is not None:
+        verdict = torch.maximum(verdict, torch.where(found_inf.to(verdict.device) > 0, one, zero))
+    grads = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
+    if grad_scale is not None and grads:  # unscaled exactly once
+        scaling.unscale(grads, grad_scale, in_place=True)
+    if step.kind is Kind.PERTURBED:
+        if found_inf is None:
+            ondevice.check_finite_(grads, verdict, one)  # h_t's too
+        if opt.gsam_alpha > 0.0 and step.rho > 0.0 and grads:  # GSAM: h_t - alpha g_t^perp (rho 0: h == g)
+            second, firsts, plan = opt._second_grads(step)
+            h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
+            opt._gsam_correct(step, second, firsts, h_norm, g_dot_h)
+    code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
+    read = ondevice.base_step(opt.base_optimizer, verdict, code)  # the code, where the host had to read it
+    P.moved_parameters()
+    if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
+        opt._verdicts.send(opt._step - 1, code, step.scaled)
+        return None
+    if read:
+        opt._skip_nonfinite(ondevice.Verdicts.WHICH[read], step.scaled)
+    return read == 0
