@@ -323,7 +323,8 @@ def score(data, todo, *, subset="test", beam=5, batch_size=128, user_dir=None, c
 
 
 def command(data, *, runs=None, checkpoints=(), checkpoint_name=None, subset="test", beam=5, batch_size=128,
-            user_dir=None, cpu=None, lang="en", ref_file=None, generate_args="", jobs=1, no_paper=False):
+            user_dir=None, cpu=None, lang="en", ref_file=None, generate_args="", jobs=1, threads=None,
+            no_paper=False):
     """The ``vasso-bleu`` command line (a shell string) that scores with these settings; the
     paths as given (the demo gives them relative to where it was started)."""
     prog = os.path.join(os.path.dirname(sys.executable), "vasso-bleu")
@@ -340,7 +341,8 @@ def command(data, *, runs=None, checkpoints=(), checkpoint_name=None, subset="te
     defaults = build_parser().parse_args(["data"])
     for flag, value in (("--checkpoint-name", checkpoint_name), ("--subset", subset), ("--beam", beam),
                         ("--batch-size", batch_size), ("--user-dir", user_dir), ("--lang", lang),
-                        ("--ref-file", ref_file), ("--generate-args", generate_args), ("--jobs", jobs)):
+                        ("--ref-file", ref_file), ("--generate-args", generate_args), ("--jobs", jobs),
+                        ("--threads", threads)):
         if value is not None and value != getattr(defaults, flag[2:].replace("-", "_")):
             words += [flag, str(value)]
     if cpu:
@@ -427,6 +429,10 @@ def build_parser():
     p.add_argument("--cpu", action="store_true", default=None,
                    help="pass --cpu to fairseq-generate (default: only when CUDA is absent)")
     p.add_argument("--jobs", type=int, default=1, help="fairseq-generate processes at once")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of each fairseq-generate (default: the cores / --jobs); the thread count "
+                        "changes how torch splits its sums, so a BLEU is reproduced with the --threads it was "
+                        "scored with (the demo prints its own)")
     p.add_argument("--generate-args", default="",
                    help="more fairseq-generate arguments, one string; e.g. \"%s\" bounds the length of the "
                         "hypotheses (fairseq's defaults, which the paper's scores assume, are --max-len-a 0 "
@@ -492,8 +498,9 @@ def main(argv=None):
         extra = shlex.split(a.generate_args)
     except ValueError as e:
         p.error("--generate-args: %s" % e)
-    for flag, value in (("--beam", a.beam), ("--batch-size", a.batch_size), ("--jobs", a.jobs)):
-        if value < 1:
+    for flag, value in (("--beam", a.beam), ("--batch-size", a.batch_size), ("--jobs", a.jobs),
+                        ("--threads", a.threads)):
+        if value is not None and value < 1:
             p.error("%s must be >= 1, got %d" % (flag, value))
     for method, seed, path in todo:
         if not os.path.exists(path):
@@ -510,7 +517,7 @@ def main(argv=None):
         with nmt.interruptible():  # Ctrl-C: every fairseq-generate stops with vasso-bleu
             results = score(a.data, todo, subset=a.subset, beam=a.beam, batch_size=a.batch_size,
                             user_dir=a.user_dir, cpu=a.cpu, lang=a.lang, ref_file=a.ref_file, extra=extra,
-                            jobs=a.jobs, say=say)
+                            jobs=a.jobs, threads=a.threads, say=say)
     except KeyboardInterrupt as exc:
         print("vasso-bleu: stopped (%s), with every fairseq-generate it started; nothing was written but the "
               "new generate-test folders" % (exc or "interrupted"), file=sys.stderr)

@@ -825,7 +825,8 @@ def bleu_command_of(data, ref_file, out, args):
     return eval_bleu.command(shown(data), runs=shown(os.path.join(out, "runs")),
                              checkpoint_name="checkpoint_%s.pt" % args.checkpoint, user_dir=args.user_dir,
                              cpu=True if args.cpu else None, ref_file=shown(ref_file),
-                             generate_args=args.generate_args, jobs=args.jobs, no_paper=True)
+                             generate_args=args.generate_args, jobs=args.jobs, threads=args.threads,
+                             no_paper=True)
 
 
 # the rounding control's columns: (result or log key, heading, digits)

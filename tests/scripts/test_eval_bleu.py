@@ -259,6 +259,8 @@ def test_the_printed_vasso_bleu_command_reproduces_the_demo_table_without_overwr
     assert len(commands) == 1, text
     command = commands[0]
     assert command in stdout and "--checkpoint-name checkpoint_last.pt" in command
+    # the demo's own thread count (1 unless --threads), not the cores of whoever runs it
+    assert "--threads 1 " in command
     demo_output = os.path.join(out, "runs", "sam", "seed1", "generate-test", "generate-test.txt")
     with open(demo_output, "rb") as f:
         before = f.read()
@@ -304,6 +306,10 @@ def test_errors_name_what_was_looked_for_and_where(script, tmp_path):
     proc = script("fairseq_vasso.nmt.bleu", tmp_path / "nodata", "--runs", runs, "--checkpoint-name",
                   "checkpoint_last.pt", check=False)
     assert f"data: no such directory: {tmp_path / 'nodata'}" in proc.stderr
+    for flag in ("--threads", "--jobs"):
+        proc = script("fairseq_vasso.nmt.bleu", data, "--runs", runs, "--checkpoint-name", "checkpoint_last.pt",
+                      flag, 0, check=False)
+        assert proc.returncode == 2 and f"{flag} must be >= 1, got 0" in proc.stderr
     (tmp_path / "table.md").write_text("an earlier table")
     proc = script("fairseq_vasso.nmt.bleu", data, "--runs", runs, "--checkpoint-name", "checkpoint_last.pt",
                   "--out", tmp_path / "table.md", check=False)
