@@ -63,6 +63,13 @@ def _flat_slope(opt, lists: StepLists) -> Optional[ondevice.Flat]:
         torch._foreach_copy_(flat.views, kept)
         for q, v in zip(lists.params, flat.views):
             own[q]["slope"] = v
+        # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps
+        # its slope in a buffer of its own: as a view it would keep an earlier flat buffer alive
+        present = set(map(id, lists.params))
+        for q, buffers in own.items():
+            s = buffers.get("slope")
+            if id(q) not in present and torch.is_tensor(s) and s._base is not None:
+                buffers["slope"] = s.clone(memory_format=torch.preserve_format)
         lists.buffers["slope"] = flat.views
         lists.flat_slope = flat
         lists.storage_params = ondevice.storage_views(lists.params)

@@ -321,3 +321,35 @@ def test_a_parameter_that_joins_later_takes_the_host_path_once():
     assert torch.equal(opt.state[first]["sam_slope"], g0)  # d_0 = g_0
     opt.step(closure_for(opt, model, *batches[3]))
     assert opt._lists.flat_slope is not None and any(q is first for q in opt._lists.params)
+
+
+@pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+def test_parameters_left_out_of_a_step_keep_no_earlier_flat_buffer_alive(kind):
+    """LayerDrop-style training: each step a different subset of blocks gets a gradient, and
+    each new set gets a flat slope buffer of its own.  The slopes of the parameters left out
+    keep their values, in buffers of their own: as views they would keep an earlier flat
+    buffer alive, up to one more model's size of state per change of the set."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+    opt = build(kind, blocks.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
+    x = torch.randn(5, 8)
+    model_bytes = sum(q.numel() * q.element_size() for q in blocks.parameters())
+    for t, used in enumerate(([0, 1, 2, 3], [0, 1, 2, 3], [0, 1], [1, 2, 3], [0, 3], [0, 1, 2, 3], [2])):
+        def closure():
+            h = x
+            for i in used:
+                h = torch.tanh(blocks[i](h))
+            loss = h.square().mean()
+            loss.backward()
+            return loss
+        left_out = [q for i in range(4) if i not in used for q in blocks[i].parameters()]
+        kept = [opt.state[q]["sam_slope"].clone() for q in left_out if "sam_slope" in opt.state[q]]
+        opt.zero_grad(set_to_none=True)
+        opt.step(closure)
+        assert (opt._lists.flat_slope is not None) == (t > 0)  # the device path from the second step, every set
+        assert all(torch.equal(opt.state[q]["sam_slope"], k) for q, k in zip(left_out, kept))
+        storages = {}
+        for q in blocks.parameters():
+            s = opt._own_state[q]["slope"]
+            storages[s.untyped_storage().data_ptr()] = s.untyped_storage().nbytes()
+        assert sum(storages.values()) == model_bytes, used
