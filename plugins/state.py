@@ -144,6 +144,9 @@ def load_state_dict(opt, state_dict: Dict[str, Any]) -> None:
             raise ValueError(f"param group {i} of the state dict has no 'rho' (keys {sorted(group)}): "
                              f"expected {_EXPECTED}")
 
+    # the verdicts of steps decided on the device still on their way belong to the run being
+    # replaced: counted (and warned about) there now, not into the loaded run's count later
+    opt._count_arrived(wait=True)
     opt.base_optimizer.load_state_dict({"state": base_state, "param_groups": state_dict["param_groups"]})
     # torch's load_state_dict rebuilds the group list: link it again.
     opt.param_groups = opt.base_optimizer.param_groups

@@ -353,3 +353,30 @@ def test_parameters_left_out_of_a_step_keep_no_earlier_flat_buffer_alive(kind):
             s = opt._own_state[q]["slope"]
             storages[s.untyped_storage().data_ptr()] = s.untyped_storage().nbytes()
         assert sum(storages.values()) == model_bytes, used
+
+
+def test_a_checkpoint_loaded_over_a_skipped_step_keeps_its_own_count():
+    """Rolling back to a checkpoint right after a skipped step (a fused base: the verdict is
+    still on its way to the host): the skip belongs to the run left behind, warned about at the
+    load, and the loaded run counts from the checkpoint's number."""
+    model = make_model()
+    opt = SAM(model.parameters(), fused_adamw_on("cpu"), lr=0.05, rho=0.2, fused=True)
+    batches = make_batches(4)
+    for x, y in batches[:3]:
+        opt.step(closure_for(opt, model, x, y))
+    saved = opt.state_dict()
+    assert saved["state"][0]["sam_counters"]["nonfinite_steps"] == 0
+
+    def diverging():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batches[3][0]), batches[3][1]) * math.inf
+        loss.backward()
+        return loss
+    opt.step(diverging)
+    with pytest.warns(RuntimeWarning, match="non-finite first-pass gradient at step 4"):
+        opt.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt.nonfinite_steps == 0 and opt.num_steps == 3
+        opt.step(closure_for(opt, model, *batches[0]))
+    assert opt.nonfinite_steps == 0
