@@ -503,6 +503,8 @@ class SharpnessAware(torch.optim.Optimizer):
             self._split_checked = True
         params, grads = lists.local_params(), lists.local_grads()
         loss_scale = scaling.loss_scale(scaler, grads)
+        if loss_scale is not None:
+            scaling.refuse_unscaled(scaler, self)
         t = self._step
         self._step += 1
         self.diagnostics = diag = diagnostics.empty()

@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["loss_scale", "unscale", "handed_verdict", "drop_verdict", "verdict_given", "SCALED_STEP"]
+__all__ = ["loss_scale", "refuse_unscaled", "unscale", "handed_verdict", "drop_verdict", "verdict_given", "SCALED_STEP"]
 
 #: The refusal of a loss-scaled step finished without the scaler.
 SCALED_STEP = ("this step's gradients are scaled (perturb(scaler=...)): finish it with scaler.step(opt), "
@@ -38,6 +38,19 @@ def loss_scale(scaler, grads: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     device = grads[0].device if grads else torch.device("cpu")
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+
+
+def refuse_unscaled(scaler, opt) -> None:
+    """Refuse a ``scaler.unscale_(opt)`` made before ``perturb(scaler=...)``: ``g_t`` would be
+    unscaled twice (a silently tiny ``g_t``), and the scaler, marked as done with ``opt``,
+    would leave ``h_t`` scaled.  Read from the scaler's own record of ``opt`` (torch's
+    ``_per_optimizer_states``, there since torch 1.6); a scaler without one is not checked."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    stage = states.get(id(opt), {}).get("stage") if isinstance(states, dict) else None
+    if getattr(stage, "name", None) == "UNSCALED":
+        raise RuntimeError("perturb(scaler=...) after scaler.unscale_(opt): g_t would be unscaled twice. "
+                           "perturb() unscales g_t itself; call scaler.unscale_(opt) only after the second "
+                           "backward, e.g. to clip h_t (docs/mixed_precision.md)")
 
 
 def unscale(tensors: Sequence[torch.Tensor], scale: torch.Tensor, *, in_place: bool) -> List[torch.Tensor]:

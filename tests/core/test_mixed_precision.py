@@ -509,6 +509,29 @@ def test_mixing_a_scaled_and_an_unscaled_half_is_refused(device):
     opt.abandon()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaler_unscale_before_perturb_is_refused_before_anything_moves(device):
+    """scaler.unscale_(opt) before perturb(scaler=...) would unscale g_t twice and leave h_t
+    scaled: refused, naming the fix, with nothing moved; after the scaler's update the same
+    optimizer steps normally."""
+    scaler, model, opt, x, y = scaled_first_backward(device, VASSO)
+    scaler.unscale_(opt)
+    before = flat(model.parameters())
+    with pytest.raises(RuntimeError, match="after scaler.unscale_\\(opt\\): g_t would be unscaled twice"):
+        opt.perturb(scaler=scaler)
+    assert not opt.in_flight and opt.num_steps == 0 and torch.equal(flat(model.parameters()), before)
+    assert opt.state_nbytes() == 0  # no buffer made
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    assert opt.perturb(scaler=scaler)
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)  # after the second backward: h_t, as the docs say
+    assert scaler.step(opt) is not False and opt.num_steps == 1
+    scaler.update()
+
+
 def test_a_scaler_must_be_a_grad_scaler():
     model = make_model()
     opt = SAM(model.parameters(), torch.optim.SGD, lr=0.1)
