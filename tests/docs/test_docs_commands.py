@@ -42,6 +42,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -733,24 +734,28 @@ class _SIGTERM_AS_INTERRUPT:
 def _run_script(script, workspace, timeout):
     """(exit status or a timeout note, output) of ``bash -c script``; on a timeout, an
     interrupt or stop_commands() the whole process group (fairseq-train's children included)
-    is killed, by its id."""
-    with _LOCK:
-        if _STOPPED.is_set():
-            return "not run: the session was stopped", ""
-        proc = process_group.popen(["bash", "-c", script], cwd=workspace, env=command_env(),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        _RUNNING.add(proc)
-    with proc:
+    is killed, by its id.  The output goes to an unnamed temporary file, not a pipe: the wait
+    ends when bash does, even where something it started in a session of its own still holds
+    the output open (a pipe's reader would wait for that too, and stop_commands() with it)."""
+    with tempfile.TemporaryFile() as output:
+        with _LOCK:
+            if _STOPPED.is_set():
+                return "not run: the session was stopped", ""
+            proc = process_group.popen(["bash", "-c", script], cwd=workspace, env=command_env(),
+                                       stdout=output, stderr=subprocess.STDOUT)
+            _RUNNING.add(proc)
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
+            status = proc.returncode
         except subprocess.TimeoutExpired:
-            process_group.kill_group(proc)
-            return f"timeout after {timeout} s", proc.communicate()[0] or ""
+            status = f"timeout after {timeout} s"
         finally:
             process_group.kill_group(proc)  # what it left running in its group, or all of it
+            proc.wait()
             with _LOCK:
                 _RUNNING.discard(proc)
-    return proc.returncode, out
+        output.seek(0)
+        return status, output.read().decode(errors="replace")
 
 
 def _script(cmd):
@@ -1093,7 +1098,14 @@ def test_an_interrupted_docs_suite_stops_at_once_and_leaves_the_checkout_as_it_w
         try:
             suite.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the suite ran on for 30 s after Ctrl-C:\n{log.read_text()[-3000:]}")
+            # where each of its threads waits: pytest's faulthandler dumps them on SIGABRT
+            os.kill(suite.pid, signal.SIGABRT)
+            try:
+                suite.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            pytest.fail(f"the suite ran on for 30 s after Ctrl-C; the processes in its folder: "
+                        f"{_processes_in(str(base))}; its log:\n{log.read_text()[-6000:]}")
         for _ in range(50):  # SIGKILL is delivered at once, but not synchronously
             left = _processes_in(str(base))
             if not left:
