@@ -1053,6 +1053,10 @@ def _group_of(pid):
         return None
 
 
+# the suite's Python with Ctrl-C handled as Python's default (see the test below)
+_WITH_CTRL_C = "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the commands' processes in /proc")
 def test_an_interrupted_docs_suite_stops_at_once_and_leaves_the_checkout_as_it_was(tmp_path):
     # Ctrl-C (SIGINT to the suite's process group, as a terminal sends it) while documented
@@ -1079,9 +1083,12 @@ def test_an_interrupted_docs_suite_stops_at_once_and_leaves_the_checkout_as_it_w
     env = {k: v for k, v in os.environ.items() if k not in ("DOMAINBED_ROOT", "PYTEST_ADDOPTS")}
     env.update(PYTHONPATH=str(repo), PYTHONDONTWRITEBYTECODE="1")
     with open(log, "w") as out:
-        suite = process_group.popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                     f"--basetemp={base}", *nodes], cwd=repo, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
+        # Ctrl-C's default handling, as a terminal gives it: a process started in the background
+        # of a script (`cmd &`, which some CI runners do) inherits SIGINT ignored, and Python
+        # then installs no KeyboardInterrupt handler
+        suite = process_group.popen([sys.executable, "-c", _WITH_CTRL_C + "sys.exit(pytest.main(sys.argv[1:]))",
+                                     "-q", "-p", "no:cacheprovider", f"--basetemp={base}", *nodes], cwd=repo,
+                                    env=env, stdout=out, stderr=subprocess.STDOUT)
     left = {}
     try:
         running, own = {}, None
