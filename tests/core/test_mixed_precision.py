@@ -16,7 +16,7 @@ import torch
 
 from plugins import SAM, VASSO
 from plugins import optimizer as O
-from plugins.lab.selftest.checks import protocol_step, scaled_step
+from plugins.lab.selftest.checks import protocol_step
 from plugins.lab.selftest.syncs import cuda_sync_debug_warnings
 from plugins.perturbation import rng_state, second_pass_coin
 from core_helpers import (CountSyncs, build, decided_on_device, expected_syncs, flat, fused_adamw_on, make_batches,
@@ -610,7 +610,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_scaled_step_over_sgd(api, kind):
         scaler.scale(F.cross_entropy(model(x), y)).backward()
 
     with cuda_sync_debug_warnings() as syncs:
-        scaled_step(opt, model, scaler, backward, api)
+        protocol_step(opt, model, backward, api, scaler)
     assert len(syncs) == (1 if decided_on_device(kind) else 2), syncs
     assert math.isfinite(opt.diagnostics["ascent_norm"])
 

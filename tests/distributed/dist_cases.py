@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plugins import SAM, VASSO, PartitionGroup
-from plugins.lab.selftest.checks import scaled_step
+from plugins.lab.selftest.checks import protocol_step
 from plugins.perturbation import rng_state
 
 from core_helpers import VARIANTS  # the family's members as tests/core builds them (tests/core: on the ranks' path)
@@ -548,7 +548,7 @@ def fp16_scaler(faults):
                 scaler.scale(loss).backward()
                 return loss
             before = opt.nonfinite_steps
-            scaled_step(opt, model, scaler, backward, api)
+            protocol_step(opt, model, backward, api, scaler)
             taken.append(opt.nonfinite_steps == before)
             scales.append(scaler.get_scale())
         return taken, scales

@@ -336,12 +336,6 @@ def protocol_step(opt, model, backward, api: str, scaler=None) -> None:
         scaler.update()
 
 
-def scaled_step(opt, model, scaler, backward, api: str) -> None:
-    """One loss-scaled step in either API, then ``scaler.update()``: the protocol of
-    docs/mixed_precision.md (:func:`protocol_step` with a scaler)."""
-    protocol_step(opt, model, backward, api, scaler)
-
-
 def _syncs_per_step(member: str, api: str, device: str, cuda: bool, scaler=None, batches_: int = 6,
                     **core_kw) -> Tuple[List[int], Optional[int]]:
     """Host syncs counted in each step of ``member`` after the first three (lazy
