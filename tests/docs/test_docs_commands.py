@@ -1053,8 +1053,9 @@ def _group_of(pid):
         return None
 
 
-# the suite's Python with Ctrl-C handled as Python's default (see the test below)
-_WITH_CTRL_C = "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+# pytest with Ctrl-C handled as Python's default (see the test below), its arguments after -c's
+_PYTEST_WITH_CTRL_C = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                       "sys.exit(pytest.main(sys.argv[1:]))")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the commands' processes in /proc")
@@ -1086,9 +1087,9 @@ def test_an_interrupted_docs_suite_stops_at_once_and_leaves_the_checkout_as_it_w
         # Ctrl-C's default handling, as a terminal gives it: a process started in the background
         # of a script (`cmd &`, which some CI runners do) inherits SIGINT ignored, and Python
         # then installs no KeyboardInterrupt handler
-        suite = process_group.popen([sys.executable, "-c", _WITH_CTRL_C + "sys.exit(pytest.main(sys.argv[1:]))",
-                                     "-q", "-p", "no:cacheprovider", f"--basetemp={base}", *nodes], cwd=repo,
-                                    env=env, stdout=out, stderr=subprocess.STDOUT)
+        suite = process_group.popen([sys.executable, "-c", _PYTEST_WITH_CTRL_C, "-q", "-p", "no:cacheprovider",
+                                     f"--basetemp={base}", *nodes], cwd=repo, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
     left = {}
     try:
         running, own = {}, None
