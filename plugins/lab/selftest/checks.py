@@ -171,6 +171,29 @@ def make_scaler(device: str, **kw):
     raise Skipped(f"torch {torch.__version__} has no CPU GradScaler (torch.amp.GradScaler('cpu'): torch >= 2.3)")
 
 
+def protocol_step(opt, model, backward, api: str, scaler=None):
+    """One step in either API (docs/design.md, section 3), with a loss scaler or without
+    (then ``descend()``): the protocol as the checks and the tests run it.  ``backward()``
+    runs the forward and the backward (``scaler.scale(loss).backward()`` with a scaler; it
+    may return the loss: the closure API's loss gap); ``step(closure)`` clears the
+    gradients before each call itself.  With a scaler, ``scaler.update()`` follows.
+    Returns the first pass's loss (what ``backward()`` returned)."""
+    if api == "closure":
+        loss = opt.step(backward, scaler=scaler)
+    else:
+        rng = rng_state()
+        opt.zero_grad()
+        loss = backward()
+        if opt.perturb(scaler=scaler):
+            opt.zero_grad()
+            with opt.second_pass(model, rng):
+                backward()
+        scaler.step(opt) if scaler is not None else opt.descend()
+    if scaler is not None:
+        scaler.update()
+    return loss
+
+
 def train_run(member: str, device: str, api: str, steps: int, *, scaler=None, autocast=None, fault=None,
               lr: float = 0.2, rho: float = 0.2, one_batch: bool = False, **knobs) -> Dict:
     """A short run of ``member`` over SGD on :class:`TinyMLP` (fp32 parameters): the
@@ -182,40 +205,25 @@ def train_run(member: str, device: str, api: str, steps: int, *, scaler=None, au
     kind = device.split(":")[0]
     out = {"taken": [], "losses": [], "scales": [], "fault": None}
     data = batches(1) * steps if one_batch else batches(steps)
-
-    def backward(x, y, t, which):
-        with (torch.autocast(kind, dtype=autocast) if autocast else _null()):
-            loss = F.cross_entropy(model(x), y)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if fault == (t, which):
-            model.fc2.bias.grad[0] = float("inf")
-        return loss
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the unscaled runs warn on their injected faults
         for t, (x, y) in enumerate(data):
             x, y = x.to(device, torch.float32), y.to(device)
             before = [q.detach().clone() for q in model.parameters()]
             skipped = opt.nonfinite_steps
-            if api == "closure":
-                calls = []
+            passes = []
 
-                def closure():
-                    calls.append(1)
-                    return backward(x, y, t, len(calls))
+            def backward():
+                passes.append(1)
+                with (torch.autocast(kind, dtype=autocast) if autocast else _null()):
+                    loss = F.cross_entropy(model(x), y)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if fault == (t, len(passes)):
+                    model.fc2.bias.grad[0] = float("inf")
+                return loss
 
-                loss = opt.step(closure, scaler=scaler)
-            else:
-                rng = rng_state()
-                opt.zero_grad()
-                loss = backward(x, y, t, 1)
-                if opt.perturb(scaler=scaler):
-                    opt.zero_grad()
-                    with opt.second_pass(model, rng):
-                        backward(x, y, t, 2)
-                scaler.step(opt) if scaler is not None else opt.descend()
+            loss = protocol_step(opt, model, backward, api, scaler)
             if scaler is not None:
-                scaler.update()
                 out["scales"].append(scaler.get_scale())
             out["taken"].append(opt.nonfinite_steps == skipped)
             out["losses"].append(float(loss.detach()))
@@ -313,27 +321,6 @@ def check_mixed_precision(device: str) -> Figure:
 #: once in the finish; a step decided on the device only the verdict, where the base (SGD here)
 #: cannot take torch's found_inf, and nothing where it can (fused AdamW)
 MAX_SYNCS = {"host path": 2, "device path": 1, "fused base": 0}
-
-
-def protocol_step(opt, model, backward, api: str, scaler=None) -> None:
-    """One step in either API (docs/design.md, section 3), with a loss scaler or without
-    (then ``descend()``): the protocol as the checks and the tests run it.  ``backward()``
-    runs the forward and the backward (``scaler.scale(loss).backward()`` with a scaler; it
-    may return the loss: the closure API's loss gap); ``step(closure)`` clears the
-    gradients before each call itself.  With a scaler, ``scaler.update()`` follows."""
-    if api == "closure":
-        opt.step(backward, scaler=scaler)
-    else:
-        rng = rng_state()
-        opt.zero_grad()
-        backward()
-        if opt.perturb(scaler=scaler):
-            opt.zero_grad()
-            with opt.second_pass(model, rng):
-                backward()
-        scaler.step(opt) if scaler is not None else opt.descend()
-    if scaler is not None:
-        scaler.update()
 
 
 def _syncs_per_step(member: str, api: str, device: str, cuda: bool, scaler=None, batches_: int = 6,
