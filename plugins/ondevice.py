@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["Flat", "storage_views", "dense", "total_norm", "check_finite_", "takes_found_inf", "base_step",
+__all__ = ["Flat", "storage_views", "dense", "flat_scratch_is_cheap", "total_norm", "check_finite_", "takes_found_inf", "base_step",
            "overflow_into_", "Verdicts"]
 
 
@@ -72,6 +72,16 @@ def storage_views(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     order, an alias that in-place ops write through; paired with :meth:`Flat.split`, whose
     views follow the same order, a foreach op needs no views of ``tensors``' shapes."""
     return [t.as_strided((t.numel(),), (1,), t.storage_offset()) for t in tensors]
+
+
+def flat_scratch_is_cheap(t: torch.Tensor) -> bool:
+    """A scratch tensor of ``t``'s (a model's) size costs one allocation on ``t``'s device,
+    where one per tensor costs as many: a GPU's caching allocator hands back a block of that
+    size (the step freed one in perturb), and the host time of a foreach op's per-tensor
+    outputs shows on a host-bound model (H100 trace: 0.8-0.9 ms for 161-188 products, an
+    in-place foreach op over the same tensors 0.1 ms).  Not on the CPU, whose glibc maps a
+    block above 32 MiB anew at every allocation (resnet18's restore: 20 ms against 8 ms)."""
+    return t.device.type != "cpu"
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -723,11 +723,15 @@ class SharpnessAware(torch.optim.Optimizer):
         step = self._pending
         if step is None or step.kind is not Kind.PERTURBED or not step.at_ascent:
             return
-        # (a step decided on the device recomputes the ascent's product per tensor, as move_ did not:
-        # one flat product would be a fresh model-sized block here, which glibc maps anew at every
-        # step on a CPU, above 32 MiB; perturb() had v_{t-1}'s dead copy to write it into)
-        P.descend_from_ascent_(step.params, step.slopes, step.scale, step.anchors,
-                               rho=step.rho if torch.is_tensor(step.scale) else 1.0)
+        flat = step.lists.flat_slope
+        if step.finite is not None and step.anchors is None and ondevice.flat_scratch_is_cheap(flat.flat):
+            # decided on the device: the ascent's product again as perturb() made it, one kernel over
+            # the flat slope, taken back through the parameters' storage-order views
+            products = flat.split(torch.mul(flat.flat, step.scale))
+            P.descend_from_ascent_(step.lists.storage_params, products, step.rho)
+        else:  # per tensor (on the CPU one flat product would be a block glibc maps anew every step)
+            P.descend_from_ascent_(step.params, step.slopes, step.scale, step.anchors,
+                                   rho=step.rho if torch.is_tensor(step.scale) else 1.0)
         if step.exchange is not None:  # partition_group: the other owners' parameters too
             step.exchange.restore()
         step.at_ascent = False

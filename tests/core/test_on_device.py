@@ -213,6 +213,41 @@ def test_the_ascent_moves_each_parameter_along_its_own_slope_channels_last_too(k
     opt.abandon()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])
+def test_the_restore_from_one_flat_product_is_the_per_tensor_restore_bit_for_bit(kind, device, monkeypatch):
+    """On a GPU the restore makes the ascent's product in one kernel over the flat slope and
+    takes it back through the parameters' storage-order views; on the CPU it goes per tensor
+    (plugins.ondevice.flat_scratch_is_cheap).  Either way the same parameters, element for
+    element, channels_last weights included, step after step, and no product per tensor."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from plugins import ondevice
+
+    runs = {}
+    for flat_product in (False, True):
+        monkeypatch.setattr(ondevice, "flat_scratch_is_cheap", lambda t, flat_product=flat_product: flat_product)
+        model, x, y = conv_net_and_batch(device)
+        opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
+        products = []
+        real_mul = torch._foreach_mul
+
+        def counting_mul(*a, **k):
+            products.append(len(a[0]))
+            return real_mul(*a, **k)
+
+        monkeypatch.setattr(torch, "_foreach_mul", counting_mul)
+        for _ in range(4):
+            opt.step(closure_for(opt, model, x, y))
+        monkeypatch.setattr(torch, "_foreach_mul", real_mul)
+        assert opt._lists.flat_slope is not None
+        runs[flat_product] = (flat(model.parameters()), products)
+    assert torch.equal(runs[True][0], runs[False][0])
+    # GSAM's correction multiplies per tensor on either path (the first step, on the host path, by
+    # a float: no product); the restores of the three steps decided on the device only per tensor
+    assert len(runs[False][1]) - len(runs[True][1]) == 3
+
+
 def test_parameters_whose_data_are_replaced_get_new_flat_buffers():
     """``module.to(memory_format=...)`` replaces each 4-D weight's ``.data`` (the same Parameter,
     other strides, other storage): the cached lists, the flat buffer that mirrors the strides and
