@@ -1,4 +1,9 @@
-"""The one test the tools state their verdicts over seeds with: an exact two-sided
+"""The statistics the tools state their verdicts with.
+
+:func:`median_interval`: a distribution-free confidence interval for a median (the device
+benchmark's verdicts on per-round ratios of step times, ``plugins.lab.bench.device``).
+
+:func:`permutation_test`, the one test of differences over seeds: an exact two-sided
 permutation test of a difference of means (the demo's BLEU and stability between methods).
 
 With a few seeds per method no distribution can be assumed, so every way of splitting the
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 # splits whose |difference| is this close to the observed one count as "at least as large":
 # the same split's difference computed in another summation order must not fall out by rounding
@@ -48,3 +53,28 @@ def smallest_p(n: int, m: int) -> float:
     if n < 1 or m < 1:
         raise ValueError(f"each group needs a value, got {n} and {m}")
     return (2 if n == m else 1) / math.comb(n + m, n)
+
+
+def median_interval(xs: Sequence[float], confidence: float = 0.95) -> Optional[Tuple[float, float]]:
+    """A confidence interval for the median of the distribution the independent draws ``xs``
+    come from, assuming nothing of its shape: the order statistics ``x_(k)`` and
+    ``x_(n+1-k)`` (1-based, sorted), ``k`` the largest with ``P(Binomial(n, 1/2) < k) <=
+    (1 - confidence) / 2``, so that the interval covers the median with probability at least
+    ``confidence``.  Narrower as ``n`` grows (30 draws at 0.95: the 10th and 21st; 8 draws:
+    their whole range), unlike the interquartile range, which describes the draws' spread
+    and does not shrink.  None where even the whole range covers less than ``confidence``
+    (fewer than 6 draws at 0.95).  ValueError for a confidence outside (0, 1)."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    xs = sorted(float(x) for x in xs)
+    n = len(xs)
+    tail, k = 0.0, 0
+    while k < n:
+        p = math.comb(n, k) / 2.0 ** n  # P(B = k): B < k + 1 then has probability tail + p
+        if tail + p > (1.0 - confidence) / 2.0:
+            break
+        tail += p
+        k += 1
+    if k == 0:
+        return None
+    return xs[k - 1], xs[n - k]

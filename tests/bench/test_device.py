@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from plugins.lab.bench import anchors, device, host, phases, profile
+from plugins.lab.bench.timing import quartiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARK = os.path.join(ROOT, "scripts", "benchmark.py")
@@ -109,18 +110,29 @@ def checkouts(tmp_path):
 
 # ------------------------------------------------------------------ verdicts
 
-def test_verdict_needs_the_whole_iqr_on_one_side():
-    below = [1.00 + 0.001 * (i % 20) for i in range(30)]  # 1.000-1.019: IQR within 1.03
+def test_verdict_needs_the_whole_interval_of_the_median_on_one_side():
+    below = [1.00 + 0.001 * (i % 20) for i in range(30)]  # 1.000-1.019: wholly within 1.03
     assert device.verdict(below, 1.03) == "PASS"
     above = [x + 0.05 for x in below]  # 1.050-1.069
     assert device.verdict(above, 1.03) == "MISS"
-    straddling = [1.00 + 0.002 * i for i in range(30)]  # 1.000-1.058, quartiles about 1.015 and 1.044
+    straddling = [1.00 + 0.002 * i for i in range(30)]  # 1.000-1.058: the 10th and 21st, 1.018 and 1.040
+    assert device.interval(straddling) == pytest.approx((1.018, 1.040))
     assert device.verdict(straddling, 1.03) == "too noisy"
-    # the median alone would pass (1.029), the IQR does not allow it
-    spread = [0.90] * 8 + [1.029] * 14 + [1.20] * 8
-    assert device.verdict(spread, 1.03) == "too noisy"
     assert device.verdict(below[:29], 1.03) == "no verdict: 29 rounds < 30"
     assert device.verdict(below + [float("nan")] * 3, 1.03) == "PASS"  # non-finite rounds do not count
+
+
+def test_a_verdict_reads_the_median_and_its_interval_not_the_spread_of_the_rounds():
+    # the rounds of a noisy host: a quarter far below, a quarter far above, the middle at 1.02; the IQR
+    # straddles 1.03 however many rounds there are, the interval of the median narrows to 1.02
+    noisy = [0.90] * 8 + [1.02] * 14 + [1.20] * 8
+    q1, q3 = quartiles(noisy)
+    assert q1 < 1.03 < q3
+    assert device.interval(noisy) == (1.02, 1.02) and device.verdict(noisy, 1.03) == "PASS"
+    # the same median with fewer rounds near it: too noisy in 30 rounds, decided in 120 like them
+    thin = [0.90] * 12 + [1.02] * 6 + [1.20] * 12
+    assert device.interval(thin) == (0.90, 1.20) and device.verdict(thin, 1.03) == "too noisy"
+    assert device.interval(thin * 4) == (1.02, 1.02) and device.verdict(thin * 4, 1.03) == "PASS"
 
 
 def test_faster_than_an_anchor_is_strict():
@@ -152,7 +164,8 @@ def test_ratios_are_paired_within_a_round_and_goal_rows():
                                                                     "ref-vasso": {"peak_bytes": 4000 * mib}}}}}
     rows = {r[1]: (r[2], r[3]) for r in device.goal_rows(results)}
     assert rows["SAM / AdamW, two passes <= 1.02"][1] == "PASS"
-    assert rows["VASSO / AdamW, two passes <= 1.03"] == ("1.100 (IQR 1.100-1.100, 30 rounds)", "MISS")
+    assert rows["VASSO / AdamW, two passes <= 1.03"] == ("1.100 (95 % CI 1.100-1.100; IQR 1.100-1.100, 30 rounds)",
+                                                         "MISS")
     assert rows["VASSO faster than the official VASSO (ratio < 1)"][1] == "PASS"
     assert rows["SAM faster than davda54's SAM (ratio < 1)"][1] == "MISS"  # a tie is not faster
     assert rows["VASSO's peak memory below the official VASSO's"] == ("3000 MiB vs 4000 MiB", "PASS")

@@ -1,11 +1,13 @@
 """plugins.lab.stats: the exact two-sided permutation test the demo states its verdicts with,
-checked against p-values counted by hand on small cases."""
+checked against p-values counted by hand on small cases; the distribution-free interval of a
+median the device benchmark states its verdicts with, against the binomial tables and by its
+coverage."""
 
 import math
 
 import pytest
 
-from plugins.lab.stats import permutation_test, smallest_p
+from plugins.lab.stats import median_interval, permutation_test, smallest_p
 
 
 def test_three_against_three_separated_gives_the_smallest_p_0_1():
@@ -52,3 +54,39 @@ def test_empty_groups_are_refused():
         permutation_test([], [1.0])
     with pytest.raises(ValueError, match="each group needs a value"):
         smallest_p(0, 3)
+
+
+@pytest.mark.parametrize("n, ranks", [(6, (1, 6)), (8, (1, 8)), (10, (2, 9)), (12, (3, 10)), (30, (10, 21)),
+                                      (100, (40, 61))])
+def test_the_median_interval_takes_the_order_statistics_of_the_binomial_tables(n, ranks):
+    # the ranks of the tables for 95 %: k the largest with P(Binomial(n, 1/2) <= k - 1) <= 0.025
+    lo, hi = ranks
+    tail = sum(math.comb(n, j) for j in range(lo)) / 2 ** n
+    assert tail <= 0.025 < tail + math.comb(n, lo) / 2 ** n
+    shuffled = [float(v) for v in range(n, 0, -1)]  # the draws in any order: sorted first
+    assert median_interval(shuffled) == (float(lo), float(hi))
+
+
+def test_too_few_draws_give_no_interval_and_a_bad_confidence_is_refused():
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # even the range covers 1 - 2/32 < 0.95
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0], confidence=0.9) == (1.0, 5.0)
+    assert median_interval([]) is None
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="confidence"):
+            median_interval([1.0] * 10, confidence=bad)
+
+
+def test_the_median_interval_covers_the_median_as_often_as_it_says_and_narrows_with_more_draws():
+    import random
+
+    rng = random.Random(0)
+    true_median = math.log(2.0)  # of the exponential distribution with rate 1: skewed, heavy right tail
+    covered, widths = 0, {}
+    for trial in range(2000):
+        lo, hi = median_interval([rng.expovariate(1.0) for _ in range(30)])
+        covered += lo <= true_median <= hi
+    assert 0.94 <= covered / 2000 <= 0.985  # at least 95 % in theory (95.7 % for 30 draws), up to the sampling
+    for n in (30, 300):
+        intervals = [median_interval([rng.expovariate(1.0) for _ in range(n)]) for _ in range(200)]
+        widths[n] = sum(hi - lo for lo, hi in intervals) / len(intervals)
+    assert widths[300] < 0.4 * widths[30]  # about 1/sqrt(10) as wide

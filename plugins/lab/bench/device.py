@@ -16,9 +16,12 @@ the rounds allows one.
   allocated), ``torch.cuda.reset_peak_memory_stats()`` before it is built, the peak after a
   few steps (``max_memory_allocated``).  On the CPU: the peak growth of glibc's heap
   (:class:`plugins.lab.bench.memory.HeapSampler`) from before the build.
-* **Verdicts** (:func:`verdict`): a ratio's goal ``<= limit`` is PASS when the third quartile
-  of the per-round ratios is within it, MISS when the first quartile is beyond it, and "too
-  noisy" when the IQR straddles it; no verdict with fewer than :data:`MIN_ROUNDS` rounds.
+* **Verdicts** (:func:`verdict`): a ratio's goal ``<= limit`` is PASS when the 95 % confidence
+  interval of the median per-round ratio (:func:`plugins.lab.stats.median_interval`, which
+  assumes nothing of the ratios' distribution) lies within it, MISS when it lies beyond it,
+  and "too noisy" when it straddles it; no verdict with fewer than :data:`MIN_ROUNDS` rounds.
+  The interval narrows as rounds are added, so ``--rounds`` can settle a verdict on a noisy
+  host; the IQR, reported beside it, describes the rounds' spread and does not narrow.
 """
 
 from __future__ import annotations
@@ -30,17 +33,18 @@ import math
 import platform
 import subprocess
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import plugins
 
 from ..selftest.reference import MEMBERS
+from ..stats import median_interval
 from ..tables import markdown_table
 from . import anchors
 from .models import BASE_KW, RHO, THETA
-from .timing import median, quartiles, spread_verdict
+from .timing import median, quartiles
 
 #: the fewest interleaved rounds a verdict is given on (and the least ``--rounds`` on a GPU)
 MIN_ROUNDS = 30
@@ -355,14 +359,29 @@ def paired(num: Sequence[float], den: Sequence[float]) -> List[float]:
     return [a / b for a, b in zip(num, den) if b > 0]
 
 
+#: the confidence of the interval of the median ratio that the verdicts read
+CONFIDENCE = 0.95
+
+
+def interval(ratios: Sequence[float]) -> Optional[Tuple[float, float]]:
+    """The :data:`CONFIDENCE` interval of the median of the finite per-round ratios."""
+    return median_interval([x for x in ratios if math.isfinite(x)], CONFIDENCE)
+
+
 def verdict(ratios: Sequence[float], limit: float, strict: bool = False, min_rounds: int = MIN_ROUNDS) -> str:
-    """PASS when the third quartile of the per-round ratios meets the goal (``<= limit``,
-    or ``< limit`` where ``strict``), MISS when the first quartile misses it, "too noisy"
-    when the IQR straddles the limit; no verdict on fewer than ``min_rounds`` rounds."""
+    """PASS when the whole confidence interval of the median per-round ratio (:func:`interval`)
+    meets the goal (``<= limit``, or ``< limit`` where ``strict``), MISS when none of it
+    does, "too noisy" when it straddles the limit; no verdict on fewer than ``min_rounds``
+    finite rounds."""
     xs = [x for x in ratios if math.isfinite(x)]
     if len(xs) < min_rounds:
         return f"no verdict: {len(xs)} rounds < {min_rounds}"
-    return {"meets": "PASS", "misses": "MISS"}.get(spread_verdict(xs, limit, strict), "too noisy")
+    lo, hi = interval(xs)
+
+    def meets(x):
+        return x < limit if strict else x <= limit
+
+    return "PASS" if meets(hi) else "MISS" if not meets(lo) else "too noisy"
 
 
 def goal_rows(results: Dict[str, Any]) -> List[List[str]]:
@@ -375,9 +394,12 @@ def goal_rows(results: Dict[str, Any]) -> List[List[str]]:
             p = pairs.get(f"{ours}/{ref}")
             if p is None:
                 continue
-            rows.append([md, text, f"{p['median']:.3f} (IQR {p['iqr'][0]:.3f}-{p['iqr'][1]:.3f}, "
-                         f"{len(p['all'])} rounds)", verdict(p["all"], limit, strict=ref != BASELINE,
-                                                             min_rounds=results.get("min_rounds", MIN_ROUNDS))])
+            ci = interval(p["all"])
+            rows.append([md, text, f"{p['median']:.3f} ("
+                         + (f"95 % CI {ci[0]:.3f}-{ci[1]:.3f}; " if ci else "")
+                         + f"IQR {p['iqr'][0]:.3f}-{p['iqr'][1]:.3f}, {len(p['all'])} rounds)",
+                         verdict(p["all"], limit, strict=ref != BASELINE,
+                                 min_rounds=results.get("min_rounds", MIN_ROUNDS))])
         mem = res.get("memory", {})
         ours, ref, text = MEMORY_GOAL
         a, b = (mem.get(ours) or {}).get("peak_bytes"), (mem.get(ref) or {}).get("peak_bytes")
@@ -485,8 +507,9 @@ def render(results: Dict[str, Any]) -> str:
     if results.get("left_out"):
         out += [f"Left out (no checkout given): {', '.join(ROWS[r][0] for r in results['left_out'])}.", ""]
     out += ["### Verdicts (issue 33's goal)", "",
-            f"PASS: the third quartile of the per-round ratios meets the goal; MISS: the first quartile misses it; "
-            f"too noisy: the IQR straddles it; no verdict under {results.get('min_rounds', MIN_ROUNDS)} rounds.", "",
+            f"PASS: the 95 % confidence interval (CI) of the median per-round ratio meets the goal; MISS: none of "
+            f"it does; too noisy: it straddles the goal (more `--rounds` narrow it); no verdict under "
+            f"{results.get('min_rounds', MIN_ROUNDS)} rounds. The IQR is the rounds' spread.", "",
             markdown_table(["model", "goal", "measured", "verdict"], goal_rows(results)), ""]
     for md, res in results["models"].items():
         s = res["summary"]

@@ -197,24 +197,6 @@ def quartiles(xs: Sequence[float]) -> List[float]:
     return [q[0], q[2]]
 
 
-def spread_verdict(ratios: Sequence[float], limit: float, strict: bool = False) -> str:
-    """Where the interquartile range of per-repeat ratios lies against ``limit``: "meets"
-    when its third quartile meets it (``<= limit``, ``< limit`` where ``strict``), "misses"
-    when its first quartile misses it (or no ratio is finite), else "too noisy": the repeats
-    straddle the limit and a verdict would be chance.  The one rule behind the self-test's
-    cost row and the device benchmark's verdicts."""
-    q1, q3 = quartiles(ratios)
-
-    def meets(x):
-        return x < limit if strict else x <= limit
-
-    if meets(q3):
-        return "meets"
-    if not meets(q1):
-        return "misses"
-    return "too noisy"
-
-
 def floor_ratios(model_cfg: Dict[str, Any], reps: int, block: int, warmup: int,
                  log: Callable[[str], None] = lambda s: None, clock: str = "cpu") -> Dict[str, Any]:
     """SAM and VASSO (defaults, diagnostics on and read every step) over AdamW running the
