@@ -567,25 +567,8 @@ def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
             (scaler.scale(loss) if scaler is not None else loss).backward()
             return loss
 
-        if api == "closure":
-            def closure():
-                opt.zero_grad()
-                return backward()
-
-            with CountSyncs() as syncs:
-                opt.step(closure, scaler=scaler)
-        else:
-            rng = rng_state()
-            opt.zero_grad()
-            with CountSyncs() as syncs:
-                backward()
-                if opt.perturb(scaler=scaler):
-                    opt.zero_grad()
-                    with opt.second_pass(model, rng):
-                        backward()
-                scaler.step(opt) if scaler is not None else opt.descend()
-        if scaler is not None:
-            scaler.update()
+        with CountSyncs() as syncs:  # the whole step, scaler.update() included
+            protocol_step(opt, model, backward, api, scaler)
         counts.append(syncs.count)
     assert counts == expected_syncs(kind, coins, dtype)
 
