@@ -726,7 +726,8 @@ class SharpnessAware(torch.optim.Optimizer):
         flat = step.lists.flat_slope
         if step.finite is not None and step.anchors is None and ondevice.flat_scratch_is_cheap(flat.flat):
             # decided on the device: the ascent's product again as perturb() made it, one kernel over
-            # the flat slope, taken back through the parameters' storage-order views
+            # the flat slope, taken back through the parameters' storage-order views by the same
+            # subtraction as per tensor (bit for bit that restore)
             products = flat.split(torch.mul(flat.flat, step.scale))
             P.descend_from_ascent_(step.lists.storage_params, products, step.rho)
         else:  # per tensor (on the CPU one flat product would be a block glibc maps anew every step)

@@ -177,8 +177,8 @@ def descend_from_ascent_(params: Tensors, slopes: Tensors, scale,
             torch._foreach_copy_(params, list(anchors))
     elif params and torch.is_tensor(scale):  # the same product that move_ added
         torch._foreach_sub_(params, torch._foreach_mul(list(slopes), scale), alpha=rho)
-    elif params:
-        torch._foreach_add_(params, list(slopes), alpha=-scale)
+    elif params:  # (products made by the caller come as slopes with scale = rho: the same op as above)
+        torch._foreach_sub_(params, list(slopes), alpha=scale)
 
 
 def plain_ascent_scale(rho: float, slope_norm: float) -> float:
