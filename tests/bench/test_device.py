@@ -191,6 +191,34 @@ def test_rounds_rotate_the_order():
     assert all(len(v["ms"]) == 4 and v["passes"] == [2.0] * 4 for v in out.values())
 
 
+def test_rounds_tell_the_host_cpu_time_from_the_host_wall_time():
+    """A step that waits (a sleep: the host not running the thread, as on a busy or
+    preempted host) shows in the host wall time and not in the host CPU time; a step that
+    computes shows in both."""
+    import time
+
+    class Waits:
+        passes = 0
+
+        def step(self):
+            time.sleep(0.02)
+
+    class Computes:
+        passes = 0
+
+        def step(self):
+            t = time.thread_time()
+            while time.thread_time() - t < 0.02:
+                pass
+
+    out = device.interleaved_rounds({"waits": Waits(), "computes": Computes()}, rounds=3, steps=1,
+                                    clock=device.HostClock())
+    assert min(out["waits"]["host_ms"]) >= 19.0 and max(out["waits"]["host_cpu_ms"]) < 5.0
+    assert min(out["computes"]["host_cpu_ms"]) >= 19.0 and min(out["computes"]["host_ms"]) >= 19.0
+    s = device.summarize(out)["methods"]
+    assert s["waits"]["host_cpu_ms"] < 5.0 <= s["waits"]["host_ms"]
+
+
 # ------------------------------------------------------------------ models and rows
 
 def test_the_issues_models_at_full_size():

@@ -277,11 +277,13 @@ def clock_for(device: torch.device):
 
 def interleaved_rounds(rows: Dict[str, Row], rounds: int, steps: int, clock,
                        log: Callable[[str], None] = lambda s: None) -> Dict[str, Dict[str, List[float]]]:
-    """Per method, per round: ms per step on the device's clock, host ms per step (the time
-    the Python thread spent issuing the steps), passes per step.  The order rotates every
-    round; the clock settles (a synchronize on a GPU) before each method's steps, none
-    inside them, and the events are read after the round."""
-    out = {m: {"ms": [], "host_ms": [], "passes": []} for m in rows}
+    """Per method, per round: ms per step on the device's clock, host ms per step (the wall
+    time the Python thread spent issuing the steps) and host CPU ms per step (the CPU time
+    the thread ran for meanwhile: where the two part, the thread waited or was not
+    scheduled), passes per step.  The order rotates every round; the clock settles (a
+    synchronize on a GPU) before each method's steps, none inside them, and the events are
+    read after the round."""
+    out = {m: {"ms": [], "host_ms": [], "host_cpu_ms": [], "passes": []} for m in rows}
     order = list(rows)
     for r in range(rounds):
         k = r % len(order)
@@ -290,16 +292,17 @@ def interleaved_rounds(rows: Dict[str, Row], rounds: int, steps: int, clock,
             row = rows[m]
             passes = row.passes
             clock.settle()
-            h0 = time.perf_counter()
+            h0, c0 = time.perf_counter(), time.thread_time()
             start = clock.mark()
             for _ in range(steps):
                 row.step()
             end = clock.mark()
-            marks.append((m, start, end, time.perf_counter() - h0, row.passes - passes))
+            marks.append((m, start, end, time.perf_counter() - h0, time.thread_time() - c0, row.passes - passes))
         clock.settle()
-        for m, start, end, host, passes in marks:
+        for m, start, end, host, cpu, passes in marks:
             out[m]["ms"].append(clock.ms(start, end) / steps)
             out[m]["host_ms"].append(1e3 * host / steps)
+            out[m]["host_cpu_ms"].append(1e3 * cpu / steps)
             out[m]["passes"].append(passes / steps)
         if (r + 1) % 10 == 0 or r + 1 == rounds:
             log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{m} {out[m]['ms'][-1]:.1f}" for m in rows) + " ms")
@@ -345,6 +348,7 @@ def summarize(rounds: Dict[str, Dict[str, List[float]]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"methods": {}, "pairs": {}}
     for m, r in rounds.items():
         out["methods"][m] = {"ms": median(r["ms"]), "ms_iqr": quartiles(r["ms"]), "host_ms": median(r["host_ms"]),
+                             "host_cpu_ms": median(r.get("host_cpu_ms", [])),  # (reports before 2026-11-28: none)
                              "passes": sum(r["passes"]) / max(len(r["passes"]), 1), "rounds": len(r["ms"])}
     pairs = [(m, BASELINE) for m in rounds if m != BASELINE and BASELINE in rounds]
     pairs += [(ours, ref) for ours, ref, _, _ in GOAL if ref != BASELINE and ours in rounds and ref in rounds]
@@ -523,11 +527,11 @@ def render(results: Dict[str, Any]) -> str:
             table.append([ROWS[name][0], f"{row['ms']:.2f}", f"{row['ms_iqr'][0]:.2f}-{row['ms_iqr'][1]:.2f}",
                           "1" if name == BASELINE else (f"{p['median']:.3f}" if p else "n/a"),
                           f"{p['iqr'][0]:.3f}-{p['iqr'][1]:.3f}" if p else "",
-                          f"{row['host_ms']:.2f}", f"{row['passes']:.2f}",
+                          f"{row['host_ms']:.2f}", f"{row.get('host_cpu_ms', math.nan):.2f}", f"{row['passes']:.2f}",
                           _size(mem),
                           "" if mem is None or not base_mem else f"{mem / base_mem:.3f}"])
         out += [markdown_table(["method", "ms/step (median)", "IQR", "over AdamW, two passes", "IQR",
-                                "host ms/step", "passes/step", "peak memory (alone)", "peak over AdamW, two passes"],
+                                "host ms/step", "host CPU ms/step", "passes/step", "peak memory (alone)", "peak over AdamW, two passes"],
                                table), ""]
         for key, p in s["pairs"].items():
             ours, ref = key.split("/")
