@@ -27,8 +27,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["Flat", "storage_views", "dense", "flat_scratch_is_cheap", "total_norm", "check_finite_", "takes_found_inf", "base_step",
-           "overflow_into_", "Verdicts"]
+__all__ = ["Flat", "storage_views", "dense", "flat_scratch_is_cheap", "total_norm", "check_finite_",
+           "takes_found_inf", "base_step", "overflow_into_", "Verdicts"]
 
 
 def dense(t: torch.Tensor) -> bool:

@@ -531,8 +531,8 @@ def render(results: Dict[str, Any]) -> str:
                           _size(mem),
                           "" if mem is None or not base_mem else f"{mem / base_mem:.3f}"])
         out += [markdown_table(["method", "ms/step (median)", "IQR", "over AdamW, two passes", "IQR",
-                                "host ms/step", "host CPU ms/step", "passes/step", "peak memory (alone)", "peak over AdamW, two passes"],
-                               table), ""]
+                                "host ms/step", "host CPU ms/step", "passes/step", "peak memory (alone)",
+                                "peak over AdamW, two passes"], table), ""]
         for key, p in s["pairs"].items():
             ours, ref = key.split("/")
             if ref != BASELINE:
