@@ -68,6 +68,9 @@ __all__ = ["SharpnessAware", "SAM", "VASSO", "Diagnostics"]
 _NAN = float("nan")
 
 
+_ABSENT = object()
+
+
 def _ends_with_the_diagnostics_wait(descend):
     """``descend`` then waits for the loss gap's ``all_reduce`` (issued before the step's
     last reduction, so on gloo it is done by then and on NCCL the wait is the stream's):
@@ -1020,10 +1023,26 @@ class SharpnessAware(torch.optim.Optimizer):
             if loss is not None and second is not None:
                 self._set_loss_gap(loss, second)
         if self._pending.scaled:
-            scaler.step(self)  # records the overflow in the scaler, then calls step() to finish
+            self._finish_through(scaler)  # records the overflow in the scaler, then finishes
         else:
             self._descend()  # not descend(): this step() is the one torch's wrappers see
         return loss
+
+    def _finish_through(self, scaler) -> None:
+        """``scaler.step(self)`` inside ``step(closure, scaler=)``: the scaler records its
+        verdict and calls ``self.step()``, which is this step's finish, not a second step:
+        that call goes to :meth:`_finish_step` directly, so torch's step hooks, profiler
+        range and an LR scheduler's count see one step, the one the user called.  (An
+        instance attribute for the call: an LR scheduler's own wrapper, if any, comes back.)"""
+        own = self.__dict__.get("step", _ABSENT)
+        self.step = self._finish_step
+        try:
+            scaler.step(self)
+        finally:
+            if own is _ABSENT:
+                del self.step
+            else:
+                self.step = own
 
     def _set_loss_gap(self, first, second) -> None:
         """The loss gap; on several ranks the mean of the ranks' gaps, over

@@ -133,13 +133,21 @@ def _scheduled_run(api):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
     hooked = []
     opt.register_step_post_hook(lambda *_: hooked.append(1))
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if api == "scaler" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if api in ("scaler", "closure-scaler") else None
     lrs = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in make_batches(4):
             if api == "closure":
                 opt.step(closure_for(opt, model, x, y))
+            elif api == "closure-scaler":  # step() finishes through scaler.step(opt), which calls step() again
+                def closure():
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    scaler.scale(loss).backward()
+                    return loss
+
+                opt.step(closure, scaler=scaler)
+                scaler.update()
             elif api == "first_step":
                 first_backward(model, x, y)
                 opt.first_step(zero_grad=True)
@@ -164,18 +172,24 @@ def _scheduled_run(api):
     return lrs, [str(w.message) for w in caught], len(hooked), flat(model.parameters())
 
 
-@pytest.mark.parametrize("api", ["explicit", "first_step", pytest.param("scaler", marks=pytest.mark.skipif(
-    not hasattr(torch.amp, "GradScaler"), reason="torch.amp.GradScaler (a real scaler on the CPU): torch >= 2.3"))])
+_CPU_SCALER = pytest.mark.skipif(not hasattr(torch.amp, "GradScaler"),
+                                 reason="torch.amp.GradScaler (a real scaler on the CPU): torch >= 2.3")
+
+
+@pytest.mark.parametrize("api", ["explicit", "first_step", pytest.param("scaler", marks=_CPU_SCALER),
+                                 pytest.param("closure-scaler", marks=_CPU_SCALER)])
 def test_a_scheduler_sees_the_explicit_apis_steps_as_the_closures(api):
     """torch's schedulers learn that the optimizer stepped from the step() they wrap: each
     API's step goes through it once (no "lr_scheduler.step() before optimizer.step()"
-    warning, the step hooks run once), and the lr sequence is the closure API's."""
+    warning, the step hooks run once: also where step(closure, scaler=) finishes through
+    scaler.step(opt), whose call of step() is that step's finish, not a second step), and
+    the lr sequence is the closure API's."""
     lrs, caught, hooked, weights = _scheduled_run(api)
     want_lrs, want_caught, want_hooked, want_weights = _scheduled_run("closure")
     assert want_caught == [] and want_hooked == 4
     assert caught == [] and hooked == 4
     assert lrs == want_lrs == [0.1 * 0.5 ** k for k in range(1, 5)]
-    if api != "scaler":  # (the scaler's unscaling rounds differently)
+    if "scaler" not in api:  # (the scaler's unscaling rounds differently)
         assert torch.equal(weights, want_weights)
 
 
