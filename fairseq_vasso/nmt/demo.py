@@ -1069,15 +1069,15 @@ def plot(out, args, results, log, quiet=False, final=False):
     runs = ["%s s%d=%s" % (label_of(m).replace(" (theta=", " θ").rstrip(")"), s,
                            os.path.join(run_dir(out, m, s), "train.log"))
             for m in args.methods if passes(m) > 1 for s in args.seeds if (m, s) in results]
-    if runs:
+    if runs:  # (--force: the demo's own figures in its own folder, redrawn as its runs are scored)
         png = os.path.join(out, "diagnostics.png")
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-            plot_diagnostics.main(runs + ["-o", png, "--smooth", "5", "--title",
+            plot_diagnostics.main(runs + ["-o", png, "--force", "--smooth", "5", "--title",
                                           "demo: toy de-en, %.0f %% misaligned targets" % (100 * args.train_noise)])
         if not quiet:
             log("diagnostics plot (stability and loss gap over updates): %s" % png)
     if final:
-        adversary_sphere.main(["-o", os.path.join(out, "adversaries.png")])
+        adversary_sphere.main(["-o", os.path.join(out, "adversaries.png"), "--force"])
 
 
 def main(argv=None):

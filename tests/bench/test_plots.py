@@ -95,3 +95,19 @@ def test_vasso_plot_command_help():
                              text=True, timeout=120)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1] == (
         "vasso-plot: error: runs: no such file or folder: no/such/train.log")
+
+
+def test_the_plots_refuse_an_existing_png_without_force(tmp_path, sphere):
+    """A figure the user has is not drawn over without --force, before any work (exit 2,
+    naming the flag); with --force it is."""
+    png = tmp_path / "adversaries.png"
+    png.write_bytes(b"the user's figure")
+    with pytest.raises(SystemExit) as stop:
+        sphere.main(["-o", str(png), "-n", "5"])
+    assert stop.value.code == 2 and png.read_bytes() == b"the user's figure"
+    assert sphere.main(["-o", str(png), "-n", "5", "--force"]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    plot = subprocess.run([sys.executable, "-m", "plugins.lab.plot", "no_run.log", "-o", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 2 and plot.stderr.strip().splitlines()[-1] == (
+        f"vasso-plot: error: --out {png} exists: give a new file, or --force to overwrite it")

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 # The run type and the reading of logs live in plugins.lab.runs, which the hosts' readers
 # import (docs/design.md, "The house"); re-exported here for vasso-plot's users.
 from plugins.lab.runs import DIAGNOSTIC_KEYS, Run, label_for, load_run, series  # noqa: F401
+from plugins.lab.tables import refuse_existing
 
 
 # --------------------------------------------------------------------------- plotting
@@ -148,7 +149,9 @@ def main(argv=None):
     ap.add_argument("--logy", action="store_true", help="log scale for the stability panel")
     ap.add_argument("--title", help="the figure's title")
     ap.add_argument("--dpi", type=int, default=130, help="resolution of the PNG (default 130)")
+    ap.add_argument("--force", action="store_true", help="overwrite --out if it exists (else refused)")
     args = ap.parse_args(argv)
+    refuse_existing(ap, {"--out": args.out}, args.force)
     for spec in args.runs:
         path = spec if os.path.exists(spec) or "=" not in spec else spec.split("=", 1)[1]
         if not os.path.exists(path):

@@ -30,6 +30,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+from ..tables import refuse_existing
 from .diagnostics import pyplot
 
 GRAD = (0.2, -0.1, 0.6)
@@ -111,9 +112,11 @@ def main(argv=None):
     ap.add_argument("--snr", type=float, nargs="+", default=list(SNRS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dpi", type=int, default=130)
+    ap.add_argument("--force", action="store_true", help="overwrite --out if it exists (else refused)")
     args = ap.parse_args(argv)
     if not 0.0 < args.theta <= 1.0:
         ap.error("--theta must be in (0, 1]")
+    refuse_existing(ap, {"--out": args.out}, args.force)
     rows = plot(args.out, snrs=args.snr, n=args.n, theta=args.theta, burn_in=args.burn_in, seed=args.seed,
                 dpi=args.dpi)
     print("| SNR | method | mean angle to grad f (deg) | mean ||eps_t - eps_{t-1}|| (rho = 1) |")
