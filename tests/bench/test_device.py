@@ -479,7 +479,8 @@ def test_profile_command_refuses_bad_input(capsys, tmp_path, monkeypatch):
     existing.write_text("{}")
     with pytest.raises(SystemExit) as exc:
         profile.main(["--trace", str(existing)])
-    assert exc.value.code == 2 and f"--trace {existing} exists" in capsys.readouterr().err
+    assert exc.value.code == 2 and (f"--trace {existing} exists: give a new file, or --force to overwrite it"
+                                    in capsys.readouterr().err)
     assert existing.read_text() == "{}"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU, also where there is one
     with pytest.raises(SystemExit):

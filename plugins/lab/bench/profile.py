@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..tables import markdown_table
+from ..tables import markdown_table, refuse_existing
 from . import device as bench_device
 from .phases import OWN, PHASES, RANGES, StepPhases, median_per_phase, per_phase, run_marked
 
@@ -293,7 +293,8 @@ def main(argv=None) -> int:
                     default="VASSO")
     ap.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="unprofiled steps timed by phase (default 10)")
-    ap.add_argument("--trace", help="also keep the chrome trace in this file (refused if it exists)")
+    ap.add_argument("--trace", help="also keep the chrome trace in this file (a new file, unless --force)")
+    ap.add_argument("--force", action="store_true", help="let --trace overwrite an existing file")
     ap.add_argument("--adamw", choices=sorted(bench_device.ADAMW_IMPLS), default="default",
                     help="torch's AdamW implementation under the method (fused: the base that takes found_inf, "
                          "the step without a host sync; default: torch's choice)")
@@ -302,8 +303,7 @@ def main(argv=None) -> int:
         ap.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     if args.warmup < 0 or args.steps < 1:
         ap.error(f"--warmup {args.warmup} / --steps {args.steps}: --warmup at least 0, --steps at least 1")
-    if args.trace and os.path.exists(args.trace):
-        ap.error(f"--trace {args.trace} exists: give a new file")
+    refuse_existing(ap, {"--trace": args.trace}, args.force)
     res = run(args.device, args.size, args.model, args.warmup, args.steps, args.method, args.trace,
               log=lambda s: print(s, file=sys.stderr, flush=True), adamw=args.adamw)
     print(render(res, "python -m plugins.lab.bench.profile " + " ".join(sys.argv[1:] if argv is None else argv)))

@@ -42,6 +42,8 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional
 
+from plugins.lab.tables import refuse_existing
+
 #: Where the project's issues are; no public address is recorded in setup.cfg or the README
 #: yet.  Set it here (one place) when there is one.
 ISSUE_TRACKER: Optional[str] = None
@@ -291,8 +293,7 @@ def parse_args(argv=None):
         p.error(f"--ranks must be one of {', '.join(map(str, RANKS_ALLOWED))} (the ranks check splits a batch "
                 f"of 16), got {args.ranks}")
     if args.json:
-        if os.path.exists(args.json) and not args.force:
-            p.error(f"--json {args.json} exists: pass --force to overwrite it")
+        refuse_existing(p, {"--json": args.json}, args.force)
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             p.error(f"--json {args.json}: the folder {parent} does not exist")
