@@ -348,7 +348,7 @@ def summarize(rounds: Dict[str, Dict[str, List[float]]]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"methods": {}, "pairs": {}}
     for m, r in rounds.items():
         out["methods"][m] = {"ms": median(r["ms"]), "ms_iqr": quartiles(r["ms"]), "host_ms": median(r["host_ms"]),
-                             "host_cpu_ms": median(r.get("host_cpu_ms", [])),  # (reports before 2026-11-28: none)
+                             "host_cpu_ms": median(r.get("host_cpu_ms", [])),
                              "passes": sum(r["passes"]) / max(len(r["passes"]), 1), "rounds": len(r["ms"])}
     pairs = [(m, BASELINE) for m in rounds if m != BASELINE and BASELINE in rounds]
     pairs += [(ours, ref) for ours, ref, _, _ in GOAL if ref != BASELINE and ours in rounds and ref in rounds]
@@ -410,6 +410,10 @@ def goal_rows(results: Dict[str, Any]) -> List[List[str]]:
         if a is not None and b is not None:
             rows.append([md, text, f"{_size(a)} vs {_size(b)}", "PASS" if a < b else "MISS"])
     return rows
+
+
+def _ms(x: Optional[float]) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.2f}"  # (n/a: reports before 2026-11-28)
 
 
 def _size(nbytes: Optional[float]) -> str:
@@ -527,7 +531,7 @@ def render(results: Dict[str, Any]) -> str:
             table.append([ROWS[name][0], f"{row['ms']:.2f}", f"{row['ms_iqr'][0]:.2f}-{row['ms_iqr'][1]:.2f}",
                           "1" if name == BASELINE else (f"{p['median']:.3f}" if p else "n/a"),
                           f"{p['iqr'][0]:.3f}-{p['iqr'][1]:.3f}" if p else "",
-                          f"{row['host_ms']:.2f}", f"{row.get('host_cpu_ms', math.nan):.2f}", f"{row['passes']:.2f}",
+                          f"{row['host_ms']:.2f}", _ms(row.get("host_cpu_ms")), f"{row['passes']:.2f}",
                           _size(mem),
                           "" if mem is None or not base_mem else f"{mem / base_mem:.3f}"])
         out += [markdown_table(["method", "ms/step (median)", "IQR", "over AdamW, two passes", "IQR",
