@@ -78,7 +78,7 @@ def flat_scratch_is_cheap(t: torch.Tensor) -> bool:
     """A scratch tensor of ``t``'s (a model's) size costs one allocation on ``t``'s device,
     where one per tensor costs as many: a GPU's caching allocator hands back a block of that
     size (the step freed one in perturb), and the host time of a foreach op's per-tensor
-    outputs shows on a host-bound model (H100 trace: 0.8-0.9 ms for 161-188 products, an
+    outputs shows on a host-bound model (H100 trace: 0.7-1.0 ms for 161-188 products, an
     in-place foreach op over the same tensors 0.1 ms).  Not on the CPU, whose glibc maps a
     block above 32 MiB anew at every allocation (resnet18's restore: 20 ms against 8 ms)."""
     return t.device.type != "cpu"
