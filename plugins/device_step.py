@@ -108,21 +108,23 @@ def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor],
     grads = step.grads
     if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
         grads = scaling.unscale(grads, step.loss_scale, in_place=False)
-    previous = v.flat.clone()                           # v_{t-1}, for a non-finite g_t (freed at return)
-    if theta is not None:
-        P.moving_average(v.views, grads, theta, in_place=True)  # eq. (5a): d_t
-    else:
-        torch._foreach_copy_(v.views, step.grads)       # SAM: v_t = g_t
-    slope_norm = torch.linalg.vector_norm(v.flat)       # ||v_t||: finite iff g_t is (v_{t-1} is)
-    finite = slope_norm < math.inf
-    torch.where(finite, v.flat, previous, out=v.flat)   # a non-finite g_t leaves v_{t-1}
-    if not step.two_pass:
-        return finite, None, None
-    inner = torch.dot(v.flat, previous) if opt._scalar_stability() else None  # <v_t, v_{t-1}>
-    opt._keep_for_descent(step, v.views)               # x_t for an exact restore, g_t for GSAM
-    unit = P.unit_scale(slope_norm)                     # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
-    # x_t + eps_t: v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
-    P.move_(lists.storage_params, v.split(torch.mul(v.flat, unit, out=previous)), step.rho)
+    with v.scratch() as (previous, pieces):             # v_{t-1}, for a non-finite g_t (freed on leaving)
+        previous.copy_(v.flat)
+        if theta is not None:
+            P.moving_average(v.views, grads, theta, in_place=True)  # eq. (5a): d_t
+        else:
+            torch._foreach_copy_(v.views, step.grads)   # SAM: v_t = g_t
+        slope_norm = torch.linalg.vector_norm(v.flat)   # ||v_t||: finite iff g_t is (v_{t-1} is)
+        finite = slope_norm < math.inf
+        torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
+        if not step.two_pass:
+            return finite, None, None
+        inner = torch.dot(v.flat, previous) if opt._scalar_stability() else None  # <v_t, v_{t-1}>
+        opt._keep_for_descent(step, v.views)           # x_t for an exact restore, g_t for GSAM
+        unit = P.unit_scale(slope_norm)                 # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
+        # x_t + eps_t: v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
+        torch.mul(v.flat, unit, out=previous)
+        P.move_(lists.storage_params, pieces, step.rho)
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
     P.moved_parameters()
     return finite, slope_norm, inner

@@ -731,8 +731,9 @@ class SharpnessAware(torch.optim.Optimizer):
             # decided on the device: the ascent's product again as perturb() made it, one kernel over
             # the flat slope, taken back through the parameters' storage-order views by the same
             # subtraction as per tensor (bit for bit that restore)
-            products = flat.split(torch.mul(flat.flat, step.scale))
-            P.descend_from_ascent_(step.lists.storage_params, products, step.rho)
+            with flat.scratch() as (product, pieces):
+                torch.mul(flat.flat, step.scale, out=product)
+                P.descend_from_ascent_(step.lists.storage_params, pieces, step.rho)
         else:  # per tensor (on the CPU one flat product would be a block glibc maps anew every step)
             P.descend_from_ascent_(step.params, step.slopes, step.scale, step.anchors,
                                    rho=step.rho if torch.is_tensor(step.scale) else 1.0)

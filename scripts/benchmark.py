@@ -63,7 +63,7 @@ what to run in each mode.
    IWSLT-sized transformer (6+6 layers, 512 wide, 10k vocabulary, 64x64 tokens), bf16 autocast,
    AdamW base: CUDA-event times over ``--rounds`` (>= 30) interleaved rounds after a warm-up,
    medians and IQRs, ratios to AdamW with two passes, peak memory of each method alone on the
-   device, and the verdicts of issue 33's goal where the IQR allows one
+   device, and the verdicts of issue 33's goal where the 95 % interval of the median ratio allows one
    (:mod:`plugins.lab.bench.device`).  ``--device cuda --quick`` keeps the rows the verdicts
    need; either fits 2 minutes of one H100.
 9. **Where the time goes** (``--profile``): a ``torch.profiler`` trace of one VASSO step on

@@ -4,6 +4,7 @@ non-finite h_t skipped on the device with its warning arriving, and the layouts 
 (channels_last, a state dict saved and loaded mid-run, a parameter joining later)."""
 
 import math
+import operator
 import warnings
 
 import pytest
@@ -248,6 +249,53 @@ def test_the_restore_from_one_flat_product_is_the_per_tensor_restore_bit_for_bit
     assert len(runs[False][1]) - len(runs[True][1]) == 3
 
 
+@pytest.mark.parametrize("flat_restore", [False, True], ids=["cpu-restore", "gpu-restore"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+def test_the_step_makes_no_view_per_tensor_and_holds_no_scratch_between_uses(kind, flat_restore, monkeypatch):
+    """The ascent's product (and, on a GPU, the restore's) goes through views of one scratch
+    tensor made once (plugins.ondevice.Flat.scratch): a steady step dispatches no split, whose
+    view per tensor costs host time that a host-bound model pays, and the scratch's storage is
+    allocated only inside perturb() and the restore, as the product it replaces was: empty
+    through the second pass, the peak of a step's memory, and between steps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plugins import ondevice
+
+    monkeypatch.setattr(ondevice, "flat_scratch_is_cheap", lambda t: flat_restore)
+
+    class Views(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("split", "split_with_sizes"):
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model, x, y = conv_net_and_batch()
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
+    for _ in range(2):  # the first step makes the slope buffers, the second the flat one and its scratch
+        opt.step(closure_for(opt, model, x, y))
+    scratch = opt._lists.flat_slope._scratch
+    assert scratch is not None and scratch.untyped_storage().nbytes() == 0
+    storage_sizes = []
+
+    def closure():
+        storage_sizes.append(scratch.untyped_storage().nbytes())  # first pass, then second pass
+        return closure_for(opt, model, x, y)()
+
+    for _ in range(3):
+        before = flat(model.parameters())
+        with Views() as mode:
+            opt.step(closure)
+        assert mode.seen == [], mode.seen
+        assert not torch.equal(flat(model.parameters()), before)
+        assert scratch.untyped_storage().nbytes() == 0
+    assert storage_sizes == [0] * 6
+    assert opt._lists.flat_slope._scratch is scratch
+
+
 def test_parameters_whose_data_are_replaced_get_new_flat_buffers():
     """``module.to(memory_format=...)`` replaces each 4-D weight's ``.data`` (the same Parameter,
     other strides, other storage): the cached lists, the flat buffer that mirrors the strides and
@@ -415,3 +463,22 @@ def test_a_checkpoint_loaded_over_a_skipped_step_keeps_its_own_count():
         assert opt.nonfinite_steps == 0 and opt.num_steps == 3
         opt.step(closure_for(opt, model, *batches[0]))
     assert opt.nonfinite_steps == 0
+
+
+def test_a_flat_scratch_serves_one_use_at_a_time():
+    """Flat.scratch's views are made once and outlive its storage, which exists only inside the
+    block: a nested use, which would free the outer's storage on leaving, is refused."""
+    from plugins import ondevice
+
+    flat = ondevice.Flat([torch.zeros(3), torch.zeros(2, 2).t()])
+    with flat.scratch() as (tensor, pieces):
+        assert [p.numel() for p in pieces] == [3, 4] and tensor.untyped_storage().nbytes() == 28
+        with pytest.raises(RuntimeError, match="already in use"):
+            with flat.scratch():
+                pass
+        tensor.copy_(torch.arange(7.0))
+        assert pieces[1].tolist() == [3.0, 4.0, 5.0, 6.0]
+    assert tensor.untyped_storage().nbytes() == 0
+    with flat.scratch() as (again, pieces_again):
+        assert again is tensor and all(map(operator.is_, pieces_again, pieces))
+        assert again.untyped_storage().nbytes() == 28
