@@ -85,11 +85,21 @@ class Flat:
             storage = self._scratch.untyped_storage()
             if storage.nbytes():  # the views' one storage: a nested use would free the outer's on leaving
                 raise RuntimeError("Flat.scratch() is already in use")
-            storage.resize_(self.flat.numel() * self.flat.element_size())
+            _resize(storage, self.flat.numel() * self.flat.element_size(), self.flat.device)
         try:
             yield self._scratch, self._pieces
         finally:
-            storage.resize_(0)
+            _resize(storage, 0, self.flat.device)
+
+
+def _resize(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> None:
+    """``storage.resize_(nbytes)`` on ``device``: some torch versions allocate (and, at 0,
+    re-label the storage) on the current CUDA device, which need not be the storage's."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            storage.resize_(nbytes)
+    else:
+        storage.resize_(nbytes)
 
 
 def storage_views(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -192,7 +202,7 @@ class Verdicts:
             copy = torch.empty((), dtype=verdict.dtype, pin_memory=True)
             copy.copy_(verdict, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(verdict.device))  # the copy's stream, whichever device is current
         self._queue.append((step, copy, event, scaled))
 
     def arrived(self, *, wait: bool) -> List[tuple]:

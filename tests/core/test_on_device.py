@@ -482,3 +482,36 @@ def test_a_flat_scratch_serves_one_use_at_a_time():
     with flat.scratch() as (again, pieces_again):
         assert again is tensor and all(map(operator.is_, pieces_again, pieces))
         assert again.untyped_storage().nbytes() == 28
+
+
+@pytest.mark.gpu
+def test_a_flat_scratch_stays_on_its_own_gpu_whichever_is_current():
+    """Some torch versions resize a CUDA storage on the current device (and re-label it there
+    at size 0): the scratch of tensors on cuda:1 must stay on cuda:1 while cuda:0 is current."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from plugins import ondevice
+
+    flat = ondevice.Flat([torch.zeros(5, device="cuda:1"), torch.zeros(3, device="cuda:1")])
+    with torch.cuda.device(0):
+        for _ in range(2):
+            with flat.scratch() as (tensor, pieces):
+                tensor.copy_(torch.arange(8.0, device="cuda:1"))
+                assert tensor.untyped_storage().device == torch.device("cuda:1")
+                assert pieces[1].tolist() == [5.0, 6.0, 7.0]
+    # and a whole run there: the steps decided on the device, a skipped one's verdict read from cuda:1
+    model = make_model().to("cuda:1")
+    opt = VASSO(model.parameters(), torch.optim.AdamW, lr=0.05, rho=0.2, fused=True)
+    with torch.cuda.device(0):
+        for i, (x, y) in enumerate(make_batches(4)):
+            x, y = x.to("cuda:1"), y.to("cuda:1")
+            if i < 3:
+                opt.step(closure_for(opt, model, x, y))
+                continue
+            first_backward(model, x, y)
+            model[0].weight.grad[0, 0] = float("nan")
+            opt.perturb()
+            opt.descend()
+    assert opt._lists.flat_slope is not None and torch.isfinite(flat(model.parameters())).all()
+    with pytest.warns(RuntimeWarning, match="non-finite first-pass gradient at step 4"):
+        assert opt.nonfinite_steps == 1
