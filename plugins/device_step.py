@@ -33,47 +33,59 @@ def decides(opt, step: StepInFlight) -> bool:
     """Whether this step keeps its decisions on the device: one process or replicas, one
     device and dtype (float32/64), plain geometry (a GradScaler or none), and a slope buffer
     for every parameter already (the first step, which makes them, ``d_0 = g_0`` from a
-    finite ``g_0``, reads on the host once)."""
+    finite ``g_0``, reads on the host once), and eVASSO's previous ascent too (made by its
+    first two-pass step) where its stability is tracked."""
     if not (opt._decide_on_device and step.lists.on_device and not opt.adaptive and opt.partition_group is None):
         return False
-    if opt.track_stability and opt.theta is not None and opt.p < 1.0:
-        return False  # eVASSO's stability keeps the previous ascent in a buffer of its own
     dtype = step.lists.params[0].dtype
     if any(g.dtype is not dtype for g in step.grads):
         return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
-    flat = _flat_slope(opt, step.lists)
+    flat = _flat_buffer(opt, step.lists, "slope")
     if flat is None:
         return False
     # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
     # held here, those would stay alive through the second pass (one model's size at the peak)
     step.previous_slopes = flat.views
-    return True
+    return not buffered_stability(opt) or _flat_buffer(opt, step.lists, "previous_ascent") is not None
 
 
-def _flat_slope(opt, lists: StepLists) -> Optional[ondevice.Flat]:
-    """The slope buffers as views of one flat tensor, so that a check or a selection over
-    all of them is one kernel: made once per set of parameters, from the buffers the first
-    steps wrote (None while a parameter has none)."""
-    if lists.flat_slope is None:
+def buffered_stability(opt) -> bool:
+    """eVASSO's stability: the coin's one-pass steps move ``d_t`` too, so the previous ascent
+    is not recoverable from the slope buffer and is kept in a buffer of its own
+    (``previous_ascent``, one model's size, as on the host path)."""
+    return opt.track_stability and not opt._scalar_stability()
+
+
+#: the StepLists attribute of each buffer kept flat on the device path
+_FLAT_ATTRIBUTES = {"slope": "flat_slope", "previous_ascent": "flat_previous_ascent"}
+
+
+def _flat_buffer(opt, lists: StepLists, key: str) -> Optional[ondevice.Flat]:
+    """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
+    selection or an inner product over all of them is one kernel: made once per set of
+    parameters, from the buffers the first steps wrote (None while a parameter has none)."""
+    attribute = _FLAT_ATTRIBUTES[key]
+    if getattr(lists, attribute) is None:
         own = opt._own_state
-        kept = [own[q].get("slope") if q in own else None for q in lists.params]
+        kept = [own[q].get(key) if q in own else None for q in lists.params]
         if any(v is None for v in kept):
             return None
         flat = ondevice.Flat(lists.params)
         torch._foreach_copy_(flat.views, kept)
         for q, v in zip(lists.params, flat.views):
-            own[q]["slope"] = v
+            own[q][key] = v
         # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps
-        # its slope in a buffer of its own: as a view it would keep an earlier flat buffer alive
+        # its buffer of its own: as a view it would keep an earlier flat buffer alive
         present = set(map(id, lists.params))
         for q, buffers in own.items():
-            s = buffers.get("slope")
+            s = buffers.get(key)
             if id(q) not in present and torch.is_tensor(s) and s._base is not None:
-                buffers["slope"] = s.clone(memory_format=torch.preserve_format)
-        lists.buffers["slope"] = flat.views
-        lists.flat_slope = flat
-        lists.storage_params = ondevice.storage_views(lists.params)
-    return lists.flat_slope
+                buffers[key] = s.clone(memory_format=torch.preserve_format)
+        lists.buffers[key] = flat.views
+        setattr(lists, attribute, flat)
+        if lists.storage_params is None:
+            lists.storage_params = ondevice.storage_views(lists.params)
+    return getattr(lists, attribute)
 
 
 def perturb(opt, step: StepInFlight) -> bool:
@@ -119,12 +131,18 @@ def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor],
         torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
         if not step.two_pass:
             return finite, None, None
-        inner = torch.dot(v.flat, previous) if opt._scalar_stability() else None  # <v_t, v_{t-1}>
+        kept = lists.flat_previous_ascent if buffered_stability(opt) else None  # eVASSO: eps of the last ascent
+        if kept is not None:
+            inner = torch.dot(v.flat, kept.flat)        # <v_t, eps_last>
+        else:
+            inner = torch.dot(v.flat, previous) if opt._scalar_stability() else None  # <v_t, v_{t-1}>
         opt._keep_for_descent(step, v.views)           # x_t for an exact restore, g_t for GSAM
         unit = P.unit_scale(slope_norm)                 # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
         # x_t + eps_t: v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
         torch.mul(v.flat, unit, out=previous)
         P.move_(lists.storage_params, pieces, step.rho)
+        if kept is not None:  # eps_t = rho * that product is the next previous ascent, where g_t was finite
+            torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
     P.moved_parameters()
     return finite, slope_norm, inner
@@ -136,6 +154,7 @@ def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner) -> None:
     applied ascent's ``[s, ||v||]`` is kept on the device for the next step's stability."""
     rho, finite, unit = step.rho, step.finite, step.scale
     stability = opt.track_stability and inner is not None
+    buffered = buffered_stability(opt)  # inner is <v_t, eps_last>, else <v_t, v_{t-1}>
     last = opt._last_ascent(unit) if opt.track_stability else None
     if opt.track_stability:  # s = rho / ||v||: the next step's previous ascent
         opt._last = torch.where(finite, torch.stack([unit * rho, slope_norm.to(unit.dtype)]), last)
@@ -147,7 +166,12 @@ def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner) -> None:
         value = nan
         if stability:
             s_last, norm_last = last.double().unbind(0)
-            value = P.plain_stability(unit.double() * rho, s_last, inner.double(), ascent_norm, s_last * norm_last)
+            if buffered:  # ||eps_t - eps_last|| from <eps_t, eps_last> = rho / ||v_t|| <v_t, eps_last>
+                inner_ascents = unit.double() * rho * inner.double()
+                value = P.distance_between_ascents(ascent_norm, s_last * norm_last, inner_ascents)
+            else:
+                value = P.plain_stability(unit.double() * rho, s_last, inner.double(), ascent_norm,
+                                          s_last * norm_last)
         taken = torch.stack([torch.ones_like(norm), ascent_norm, P.estimated_sharpness(rho, norm), value,
                              torch.zeros_like(norm)])
         skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])

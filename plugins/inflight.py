@@ -72,7 +72,8 @@ class StepLists:
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
     __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
-                 "buffers", "flat_slope", "storage_params", "on_device", "pointers", "_constants")
+                 "buffers", "flat_slope", "flat_previous_ascent", "storage_params", "on_device", "pointers",
+                 "_constants")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
@@ -95,6 +96,7 @@ class StepLists:
         self.fuse_average_norm = all_flat or not on_cpu or layout.collective
         self.buffers: Dict[str, List[torch.Tensor]] = {}
         self.flat_slope = None  # the slope buffers as views of one flat tensor (plugins.ondevice.Flat)
+        self.flat_previous_ascent = None  # eVASSO's previous ascent buffers so, where its stability is tracked
         self.storage_params = None  # with it, the parameters as 1-D views in storage order (ondevice.storage_views)
         self._constants = None
         # a step may be decided on the device: one device and dtype (float32/64), dense tensors, one process

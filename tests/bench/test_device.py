@@ -505,9 +505,10 @@ def test_host_cost_counts_the_optimizers_own_work():
         assert row["passes"] in (1, 2)
     # issue 33's goals, on the steps decided on the device (the EMA costs VASSO one kernel, as SAM's
     # copy of g_t): at most 21 ops (SAM) and 26 (VASSO) per step, and one host read with this for-loop
-    # base (0 with a fused one: tests/core/test_protocol.py); eVASSO keeps the host path's two
-    assert ops["SAM"]["ops"] <= 21 and ops["VASSO"]["ops"] <= 26, ops
-    assert ops["SAM"]["syncs"] == ops["VASSO"]["syncs"] == 1 and ops["eVASSO"]["syncs"] == 2, ops
+    # base (0 with a fused one: tests/core/test_protocol.py); eVASSO too, its previous ascent kept in a
+    # flat buffer (an inner product and a where more, within VASSO's 26)
+    assert ops["SAM"]["ops"] <= 21 and ops["VASSO"]["ops"] <= 26 and ops["eVASSO"]["ops"] <= 26, ops
+    assert ops["SAM"]["syncs"] == ops["VASSO"]["syncs"] == ops["eVASSO"]["syncs"] == 1, ops
     t = host.host_time(model_cfg=TINY_FLOOR_MODEL, rounds=2, steps=1, warmup=1)
     assert set(t["ms"]) == {"AdamW", "SAM", "SAM+base", "VASSO", "VASSO+base"}
     assert t["ms"]["VASSO+base"] > t["ms"]["VASSO"] and t["over_adamw"]["VASSO"] > 0

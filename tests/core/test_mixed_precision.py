@@ -549,7 +549,7 @@ def test_a_scaler_must_be_a_grad_scaler():
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("kind", KINDS + ["eSAM"])
 def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
-    """On the host path (bf16/fp16 parameters, ASAM, eVASSO) 2 per two-pass step (perturb 1,
+    """On the host path (bf16/fp16 parameters, ASAM) 2 per two-pass step (perturb 1,
     the finish 1) and 1 per step the coin skips; 1 per step decided on the device (fp32: SGD
     cannot take found_inf, its verdict is read, the scaler's own read under a scaler); with
     or without a scaler, in both APIs; the scaler's own calls add none."""

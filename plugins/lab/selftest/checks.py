@@ -399,8 +399,8 @@ def check_host_syncs(device: str) -> Figure:
     return figure, details
 
 
-#: the members whose steps are decided on the device (plain geometry, not eVASSO's stability)
-ON_DEVICE = ("SAM", "VASSO", "eSAM", "GSAM", "V+G")
+#: the members whose steps are decided on the device (plain geometry, eVASSO's buffered stability included)
+ON_DEVICE = ("SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G")
 
 
 def fused_adamw_missing(device: str) -> Optional[str]:
