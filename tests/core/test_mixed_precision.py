@@ -601,7 +601,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_scaled_step_over_sgd(api, kind):
 @CUDA
 @pytest.mark.parametrize("precision", ["bf16", "fp16+scaler"])
 @pytest.mark.parametrize("api", APIS)
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "GSAM", "V+G"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G"])
 def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, kind, precision):
     """The bf16 path of issue 33 (autocast, no scaler) and its fp16 path (autocast, a
     GradScaler), fused AdamW: torch's own sync debug mode sees nothing between the first
@@ -622,7 +622,7 @@ def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, 
             return loss
         protocol_step(opt, model, backward, api, scaler)
 
-    for x, y in batches[:4]:  # the slope buffers, lazy initializations
+    for x, y in batches[:4]:  # the slope buffers, lazy initializations (eVASSO's coin: two passes at 1 and 4)
         step(x, y)
     torch.cuda.synchronize()
     with cuda_sync_debug_warnings() as syncs:
