@@ -96,7 +96,7 @@ class StepLists:
         self.fuse_average_norm = all_flat or not on_cpu or layout.collective
         self.buffers: Dict[str, List[torch.Tensor]] = {}
         self.flat_slope = None  # the slope buffers as views of one flat tensor (plugins.ondevice.Flat)
-        self.flat_previous_ascent = None  # eVASSO's previous ascent buffers so, where its stability is tracked
+        self.flat_previous_ascent = None  # likewise eVASSO's previous-ascent buffers, where its stability is tracked
         self.storage_params = None  # with it, the parameters as 1-D views in storage order (ondevice.storage_views)
         self._constants = None
         # a step may be decided on the device: one device and dtype (float32/64), dense tensors, one process

@@ -80,12 +80,11 @@ class Flat:
         if self._scratch is None:
             self._scratch = torch.empty_like(self.flat)
             self._pieces = self.split(self._scratch)
-            storage = self._scratch.untyped_storage()
+        elif self._scratch.untyped_storage().nbytes():  # a nested use would free the outer's storage on leaving
+            raise RuntimeError("Flat.scratch() is already in use")
         else:
-            storage = self._scratch.untyped_storage()
-            if storage.nbytes():  # the views' one storage: a nested use would free the outer's on leaving
-                raise RuntimeError("Flat.scratch() is already in use")
-            _resize(storage, self.flat.numel() * self.flat.element_size(), self.flat.device)
+            _resize(self._scratch.untyped_storage(), self.flat.numel() * self.flat.element_size(), self.flat.device)
+        storage = self._scratch.untyped_storage()
         try:
             yield self._scratch, self._pieces
         finally:
