@@ -61,11 +61,13 @@ what to run in each mode.
    ``--reference-vasso DIR`` (a checkout of BingcongLi/VaSSO) and ``--reference-sam DIR``
    (davda54/sam) point at them, on ResNet-50 (batch 64 at 224, channels_last) and an
    IWSLT-sized transformer (6+6 layers, 512 wide, 10k vocabulary, 64x64 tokens), bf16 autocast,
-   AdamW base: CUDA-event times over ``--rounds`` (>= 30) interleaved rounds after a warm-up,
-   medians and IQRs, ratios to AdamW with two passes, peak memory of each method alone on the
-   device, and the verdicts of issue 33's goal where the 95 % interval of the median ratio allows one
+   AdamW base: CUDA-event times over ``--rounds`` (>= 30) interleaved rounds after a warm-up
+   (with ``--seconds S``, more while S seconds per model last), medians and IQRs, ratios to
+   AdamW with two passes, peak memory of each method alone on the device, and the verdicts
+   of issue 33's goal where the 95 % interval of the median ratio allows one
    (:mod:`plugins.lab.bench.device`).  ``--device cuda --quick`` keeps the rows the verdicts
-   need; either fits 2 minutes of one H100.
+   need; either fits 2 minutes of one H100.  Interrupted (Ctrl-C, SIGTERM), it writes the
+   report of the rounds finished and exits 130.
 9. **Where the time goes** (``--profile``): a ``torch.profiler`` trace of one VASSO step on
    ``--device``, by phase (:mod:`plugins.lab.bench.profile`).
 10. **Host cost** (``--host-cost``): the optimizer's own host time per step on 200 small
@@ -84,8 +86,10 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -205,6 +209,9 @@ def main(argv=None):
     dev.add_argument("--size", choices=sorted(device.SIZES), help="model sizes (default: full on cuda, small on cpu)")
     dev.add_argument("--rounds", type=int, help=f"interleaved rounds (default {device.MIN_ROUNDS}; at least "
                      f"{device.MIN_ROUNDS} on cuda, fewer give no verdict)")
+    dev.add_argument("--seconds", type=float, metavar="S",
+                     help="time each model's rounds for about S seconds: --rounds at least, more while S lasts "
+                     "(more rounds narrow the verdicts' intervals; the count is set by the clock, not the ratios)")
     dev.add_argument("--steps-per-round", type=int, default=1, help="steps of each method per round (default 1)")
     dev.add_argument("--warmup", type=int, default=3, help="warm-up steps per method (default 3)")
     dev.add_argument("--rows", nargs="+", choices=list(device.ROWS), help="the methods (default: all; --quick: "
@@ -224,7 +231,8 @@ def main(argv=None):
     refuse_existing(ap, {"--markdown": args.markdown, "--json": None if args.render else args.json}, args.force)
     if args.device or args.profile or args.host_cost:
         return device_main(ap, args, argv)
-    for flag, value in (("--size", args.size), ("--rounds", args.rounds), ("--rows", args.rows),
+    for flag, value in (("--size", args.size), ("--rounds", args.rounds), ("--seconds", args.seconds),
+                        ("--rows", args.rows),
                         ("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam),
                         ("--fail-on-miss", args.fail_on_miss or None),
                         ("--adamw", None if args.adamw == "default" else args.adamw)):
@@ -305,6 +313,11 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
     for flag, value in (("--steps-per-round", args.steps_per_round), ("--warmup", args.warmup)):
         if value < (1 if flag == "--steps-per-round" else 0):
             ap.error(f"{flag} {value}: at least {1 if flag == '--steps-per-round' else 0}")
+    if args.seconds is not None:
+        if args.profile or args.host_cost:
+            ap.error("--seconds is for the device benchmark, not for --profile or --host-cost")
+        if not 0 < args.seconds < math.inf:
+            ap.error(f"--seconds {args.seconds}: a number of seconds above 0")
     classes = {}
     for flag, path in (("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam)):
         if path is not None:
@@ -334,12 +347,17 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
                               warmup=args.warmup, log=log, adamw=args.adamw)
         text = profile.render(results, command)
     else:
-        results = device.run(args.device, size=args.size, models=models, rows=rows, rounds=rounds,
-                             steps=args.steps_per_round, warmup=args.warmup, anchor_classes=classes,
-                             log=log, command=command, adamw=args.adamw, anchor_sources={
-                                 flag: anchors.provenance(os.path.expanduser(path)) for flag, path in
-                                 (("--reference-vasso", args.reference_vasso), ("--reference-sam", args.reference_sam))
-                                 if path})
+        # SIGTERM (a scheduler's or `timeout`'s) ends the run as Ctrl-C does: the rounds finished are reported
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            results = device.run(args.device, size=args.size, models=models, rows=rows, rounds=rounds,
+                                 steps=args.steps_per_round, warmup=args.warmup, anchor_classes=classes,
+                                 seconds=args.seconds, log=log, command=command, adamw=args.adamw, anchor_sources={
+                                     flag: anchors.provenance(os.path.expanduser(path)) for flag, path in
+                                     (("--reference-vasso", args.reference_vasso),
+                                      ("--reference-sam", args.reference_sam)) if path})
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         text = device.render(results)
     print(text)
     if args.markdown:
@@ -348,12 +366,19 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1, default=str)
+    if results.get("interrupted"):
+        print(f"benchmark.py: interrupted {results['interrupted']}", file=sys.stderr)
+        return 130
     if args.fail_on_miss and not (args.profile or args.host_cost):
         missed = [f"{r[0]}: {r[1]}" for r in device.goal_rows(results) if r[3] == "MISS"]
         if missed:
             print("benchmark.py: MISS: " + "; ".join(missed), file=sys.stderr)
             return 1
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

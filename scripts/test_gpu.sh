@@ -13,9 +13,10 @@
 #   2. every test that needs a GPU (the `gpu` marker: pytest -m gpu plugins tests);
 #   3. tests/selftest's tests of the self-test, reading part 1's report (not running it again);
 #   4. the device benchmark, `python scripts/benchmark.py --device cuda --quick --adamw fused
-#      --steps-per-round 3` (about 1.5-2 minutes; fused AdamW everywhere: the base that takes torch's
-#      found_inf, so that the family's steps run without a host sync, docs/design.md section 7; 3 steps
-#      per round: one step's ratio spread +-5-10 % on an H100, too wide for the 1.02/1.03 goals;
+#      --steps-per-round 3 --seconds 45` (about 2 minutes; fused AdamW everywhere: the base that takes
+#      torch's found_inf, so that the family's steps run without a host sync, docs/design.md section 7;
+#      3 steps per round: one step's ratio spread +-5-10 % on an H100, too wide for the 1.02/1.03 goals;
+#      30 rounds at least, more while 45 s per model last: more rounds narrow the verdicts' intervals;
 #      the step-cost verdicts where the spread allows one; REFERENCE_VASSO=DIR and REFERENCE_SAM=DIR,
 #      checkouts of BingcongLi/VaSSO and davda54/sam, add the anchors' rows). Its verdicts inform,
 #      they do not fail the check (scripts/benchmark.py --fail-on-miss does).
@@ -25,7 +26,7 @@
 # part 2's pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }  # the comment above
 WHEELHOUSE="" PY="" INSTALL_ONLY=0 PYTEST_ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -116,6 +117,7 @@ part "gpu tests (-m gpu)" env VASSO_REQUIRE_GPU=1 VASSO_SELFTEST_RUN="$run" \
 part "self-test's tests (its report)" env VASSO_SELFTEST_RUN="$run" \
     "$PY" -m pytest -ra tests/selftest/test_selftest_command.py
 part "device benchmark (--quick)" "$PY" scripts/benchmark.py --device cuda --quick --adamw fused --steps-per-round 3 \
+    --seconds 45 \
     ${REFERENCE_VASSO:+--reference-vasso "$REFERENCE_VASSO"} ${REFERENCE_SAM:+--reference-sam "$REFERENCE_SAM"}
 
 echo

@@ -17,7 +17,7 @@
 # DIR must be new or empty. Run `bash scripts/wheelhouse.sh --help` for this text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }  # the comment above
 DIR="" PYVER="" PLATFORM="" TORCH="" LINKS=()
 while [ $# -gt 0 ]; do
     case "$1" in

@@ -219,6 +219,90 @@ def test_rounds_tell_the_host_cpu_time_from_the_host_wall_time():
     assert s["waits"]["host_cpu_ms"] < 5.0 <= s["waits"]["host_ms"]
 
 
+class _Ticks:
+    """A made-up clock that each step moves by one second (perf_counter and thread_time alike)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    thread_time = perf_counter
+
+    def row(self, interrupt_at=None):
+        ticks = self
+
+        class Row:
+            passes = 0
+
+            def step(self):
+                ticks.now += 1.0
+                if interrupt_at is not None and ticks.now >= interrupt_at:
+                    raise KeyboardInterrupt
+        return Row()
+
+
+def test_seconds_add_rounds_while_one_more_ends_in_time(monkeypatch):
+    """``seconds`` adds rounds while another as long as the last still ends within it: the
+    count is the clock's; ``rounds`` stays the least."""
+    ticks = _Ticks()
+    monkeypatch.setattr(device, "time", ticks)
+    rows = {m: ticks.row() for m in "abc"}  # a round takes 3 s
+    clock = device.HostClock()
+    out = device.interleaved_rounds(rows, rounds=1, steps=1, clock=clock, seconds=10)
+    assert device.finished(out) == 3  # rounds end at 3, 6 and 9 s: a fourth would end at 12
+    assert out["a"]["ms"] == [1000.0] * 3
+    ticks.now = 0.0
+    assert device.finished(device.interleaved_rounds(rows, rounds=5, steps=1, clock=clock, seconds=10)) == 5
+    ticks.now = 0.0
+    assert device.finished(device.interleaved_rounds(rows, rounds=2, steps=1, clock=clock, seconds=None)) == 2
+    ticks.now = 0.0
+    assert device.finished(device.interleaved_rounds(rows, rounds=1, steps=2, clock=clock, seconds=12)) == 2
+
+
+def test_an_interrupted_run_keeps_the_rounds_it_finished(monkeypatch):
+    ticks = _Ticks()
+    monkeypatch.setattr(device, "time", ticks)
+    rows = {"a": ticks.row(), "b": ticks.row(interrupt_at=7)}  # the 4th round (b first) stops in its first step
+    with pytest.raises(device.Interrupted) as stop:
+        device.interleaved_rounds(rows, rounds=30, steps=1, clock=device.HostClock())
+    assert device.finished(stop.value.rounds) == 3
+    assert all(len(v) == 3 for r in stop.value.rounds.values() for v in r.values())
+
+
+def test_an_interrupted_device_run_reports_what_finished(monkeypatch):
+    """Stopped inside a model's rounds, the run returns the models done and that model's
+    finished rounds, and says where it stopped; stopped outside them, nothing of that model."""
+    calls = {"n": 0}
+
+    def rounds_then_stop(rows, rounds, steps, clock, log=None, seconds=None):
+        calls["n"] += 1
+        out = {m: {"ms": [10.0] * 30, "host_ms": [1.0] * 30, "host_cpu_ms": [1.0] * 30, "passes": [2.0] * 30}
+               for m in rows}
+        if calls["n"] == 2:
+            raise device.Interrupted(out)
+        return out
+
+    monkeypatch.setattr(device, "interleaved_rounds", rounds_then_stop)
+    rows = ["adamw-2pass", "VASSO"]
+    res = device.run("cpu", models=["transformer", "resnet50"], rows=rows, rounds=30, warmup=0, memory=False)
+    assert list(res["models"]) == ["transformer", "resnet50"]
+    assert res["interrupted"] == "during resnet50's timed rounds, after 30 finished round(s), kept below"
+    assert device.finished(res["models"]["resnet50"]["rounds"]) == 30
+    text = device.render(res)
+    assert "**Interrupted** during resnet50's timed rounds" in text
+    assert "| resnet50 | VASSO / AdamW, two passes <= 1.03 |" in text
+
+    def build_stops(cfg, seed=0):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(device, "build_template", build_stops)
+    res = device.run("cpu", models=["transformer"], rows=rows, rounds=30, warmup=0, memory=False)
+    assert res["models"] == {} and res["interrupted"] == "during transformer, outside its timed rounds: " \
+        "nothing of transformer kept"
+
+
 # ------------------------------------------------------------------ models and rows
 
 def test_the_issues_models_at_full_size():
@@ -384,6 +468,13 @@ def test_bad_input_is_refused_before_any_work(benchmark_main, capsys, tmp_path, 
         benchmark_main, ["--device", "cpu", "--rows", "VASSO", "ref-sam"], capsys)
     assert "error: --models: many-small is not a model of --device" in _refused(
         benchmark_main, ["--device", "cpu", "--models", "many-small"], capsys)
+    for bad in ("0", "-5", "nan", "inf"):
+        assert f"error: --seconds {float(bad)}: a number of seconds above 0" in _refused(
+            benchmark_main, ["--device", "cpu", "--seconds", bad], capsys)
+    assert "error: --seconds is an option of the device benchmark" in _refused(
+        benchmark_main, ["--seconds", "60"], capsys)
+    assert "error: --seconds is for the device benchmark, not for --profile" in _refused(
+        benchmark_main, ["--profile", "--seconds", "60"], capsys)
 
 
 def test_cli_on_the_cpu_with_anchors(benchmark_main, checkouts, tmp_path, capsys):
@@ -400,6 +491,40 @@ def test_cli_on_the_cpu_with_anchors(benchmark_main, checkouts, tmp_path, capsys
     again = tmp_path / "again.md"
     assert benchmark_main(["--render", str(tmp_path / "device.json"), "--markdown", str(again)]) == 0
     assert again.read_text().split("### Verdicts")[1] == text.split("### Verdicts")[1]
+
+
+def test_sigterm_writes_the_rounds_finished_and_exits_130(tmp_path):
+    """A scheduler's or ``timeout``'s SIGTERM in the middle of a run: the report and the raw
+    results of the rounds finished are written, and the exit status says it was interrupted."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import process_group
+
+    md, js = tmp_path / "run.md", tmp_path / "run.json"
+    proc = process_group.popen([sys.executable, BENCHMARK, "--device", "cpu", "--models", "transformer", "--rows",
+                                "adamw-2pass", "VASSO", "--warmup", "0", "--seconds", "600", "--markdown", str(md),
+                                "--json", str(js)], stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        seen = []
+        deadline = time.monotonic() + 300
+        for line in proc.stderr:  # the log: every 10th round
+            seen.append(line)
+            if line.startswith("  round 10 ") or time.monotonic() > deadline:
+                break
+        assert seen and seen[-1].startswith("  round 10 "), "".join(seen)[-2000:]
+        proc.send_signal(signal.SIGTERM)  # to the benchmark's own pid
+        rest = proc.communicate(timeout=120)[1]
+    finally:
+        process_group.kill_group(proc)
+    assert proc.returncode == 130, rest[-2000:]
+    assert "benchmark.py: interrupted during transformer's timed rounds, after" in rest
+    res = json.loads(js.read_text())
+    assert device.finished(res["models"]["transformer"]["rounds"]) >= 10
+    assert "**Interrupted** during transformer's timed rounds" in md.read_text()
 
 
 def test_fail_on_miss_exits_1_on_a_miss_only(benchmark_main, monkeypatch, capsys):

@@ -275,37 +275,72 @@ def clock_for(device: torch.device):
 
 # ------------------------------------------------------------------ runs
 
+class Interrupted(KeyboardInterrupt):
+    """The timed rounds stopped by the user (Ctrl-C, or SIGTERM as ``scripts/benchmark.py``
+    turns it): :attr:`rounds` holds those finished before it (the one under way is dropped),
+    and :func:`run` sets :attr:`result`, the model's report from them."""
+
+    def __init__(self, rounds: Dict[str, Dict[str, List[float]]]):
+        super().__init__("interrupted")
+        self.rounds = rounds
+        self.result: Optional[Dict[str, Any]] = None
+
+
+def finished(rounds: Dict[str, Dict[str, List[float]]]) -> int:
+    """How many rounds :func:`interleaved_rounds` finished (every method has one entry per round)."""
+    return len(next(iter(rounds.values()))["ms"]) if rounds else 0
+
+
 def interleaved_rounds(rows: Dict[str, Row], rounds: int, steps: int, clock,
-                       log: Callable[[str], None] = lambda s: None) -> Dict[str, Dict[str, List[float]]]:
+                       log: Callable[[str], None] = lambda s: None,
+                       seconds: Optional[float] = None) -> Dict[str, Dict[str, List[float]]]:
     """Per method, per round: ms per step on the device's clock, host ms per step (the wall
     time the Python thread spent issuing the steps) and host CPU ms per step (the CPU time
     the thread ran for meanwhile: where the two part, the thread waited or was not
     scheduled), passes per step.  The order rotates every round; the clock settles (a
     synchronize on a GPU) before each method's steps, none inside them, and the events are
-    read after the round."""
+    read after the round.
+
+    ``rounds`` rounds; with ``seconds``, more while another round (as long as the last) still
+    ends within ``seconds`` of the first one's start: the count is set by the clock, never by
+    the ratios, whose interval stays honest so (stopping once a verdict appears would not be).
+    Interrupted (KeyboardInterrupt), it raises :class:`Interrupted` with the finished rounds."""
     out = {m: {"ms": [], "host_ms": [], "host_cpu_ms": [], "passes": []} for m in rows}
     order = list(rows)
-    for r in range(rounds):
-        k = r % len(order)
-        marks = []
-        for m in order[k:] + order[:k]:
-            row = rows[m]
-            passes = row.passes
+    t0 = began = time.perf_counter()  # began: the last round's start
+
+    def another_fits() -> bool:  # one more round, as long as the last, ends within ``seconds``
+        now = time.perf_counter()
+        return seconds is not None and (now - t0) + (now - began) <= seconds
+
+    r = 0
+    try:
+        while r < rounds or another_fits():
+            k = r % len(order)
+            marks = []
+            began = time.perf_counter()
+            for m in order[k:] + order[:k]:
+                row = rows[m]
+                passes = row.passes
+                clock.settle()
+                h0, c0 = time.perf_counter(), time.thread_time()
+                start = clock.mark()
+                for _ in range(steps):
+                    row.step()
+                end = clock.mark()
+                marks.append((m, start, end, time.perf_counter() - h0, time.thread_time() - c0, row.passes - passes))
             clock.settle()
-            h0, c0 = time.perf_counter(), time.thread_time()
-            start = clock.mark()
-            for _ in range(steps):
-                row.step()
-            end = clock.mark()
-            marks.append((m, start, end, time.perf_counter() - h0, time.thread_time() - c0, row.passes - passes))
-        clock.settle()
-        for m, start, end, host, cpu, passes in marks:
-            out[m]["ms"].append(clock.ms(start, end) / steps)
-            out[m]["host_ms"].append(1e3 * host / steps)
-            out[m]["host_cpu_ms"].append(1e3 * cpu / steps)
-            out[m]["passes"].append(passes / steps)
-        if (r + 1) % 10 == 0 or r + 1 == rounds:
-            log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{m} {out[m]['ms'][-1]:.1f}" for m in rows) + " ms")
+            for m, start, end, host, cpu, passes in marks:
+                out[m]["ms"].append(clock.ms(start, end) / steps)
+                out[m]["host_ms"].append(1e3 * host / steps)
+                out[m]["host_cpu_ms"].append(1e3 * cpu / steps)
+                out[m]["passes"].append(passes / steps)
+            r += 1
+            if r % 10 == 0 or r == rounds:
+                log(f"  round {r}" + (f"/{rounds}" if seconds is None else f" ({time.perf_counter() - t0:.0f} s)")
+                    + ": " + ", ".join(f"{m} {out[m]['ms'][-1]:.1f}" for m in rows) + " ms")
+    except KeyboardInterrupt as e:
+        raise Interrupted(out) from e
     return out
 
 
@@ -442,9 +477,13 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
         rows: Sequence[str] = tuple(ROWS), rounds: int = MIN_ROUNDS, steps: int = 1, warmup: int = 3,
         mem_steps: int = 2, anchor_classes: Optional[Dict[str, type]] = None, memory: bool = True,
         log: Callable[[str], None] = lambda s: None, command: str = "",
-        anchor_sources: Optional[Dict[str, str]] = None, adamw: str = "default") -> Dict[str, Any]:
+        anchor_sources: Optional[Dict[str, str]] = None, adamw: str = "default",
+        seconds: Optional[float] = None) -> Dict[str, Any]:
     """The whole benchmark; returns what :func:`render` prints.  Rows whose anchor was not
-    given are left out (and listed)."""
+    given are left out (and listed).  ``seconds``: time each model's rounds for about that
+    long, ``rounds`` at least (:func:`interleaved_rounds`).  Interrupted (KeyboardInterrupt),
+    it returns what it has: the models finished, the one under way with its finished rounds,
+    and ``interrupted`` saying where it stopped."""
     device = torch.device(device)
     size = size or ("full" if device.type == "cuda" else "small")
     anchor_classes = anchor_classes or {}
@@ -455,43 +494,76 @@ def run(device: str = "cpu", size: Optional[str] = None, models: Sequence[str] =
     results: Dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
         "machine": device_info(device), "size": size, "rounds": rounds, "steps": steps, "warmup": warmup,
-        "mem_steps": mem_steps, "min_rounds": MIN_ROUNDS, "rows": kept,
+        "seconds_per_model": seconds, "mem_steps": mem_steps, "min_rounds": MIN_ROUNDS, "rows": kept,
         "left_out": [r for r in rows if r not in kept], "models": {},
         "anchors": dict(anchor_sources or {}), "adamw": adamw}
     for md in models:
-        cfg = SIZES[size][md]
-        template = build_template(cfg)
-        batch = make_batch(cfg, device)
-        res: Dict[str, Any] = {"info": describe(cfg, template), "memory": {}}
-        log(f"{md} ({res['info']})")
-        if memory:
-            peak_memory(kept[0], template, cfg, batch, device, 1, anchor_classes, adamw)  # untimed: one-time allocs
-            for name in kept:
-                res["memory"][name] = peak_memory(name, template, cfg, batch, device, mem_steps, anchor_classes, adamw)
-            log("  peak memory, each method alone: " + ", ".join(
-                f"{n} {_size(v['peak_bytes'])}" for n, v in res["memory"].items()))
-        built = {name: Row(name, template, cfg, batch, device, anchor_classes, adamw) for name in kept}
-        clock = clock_for(device)
-        t_warm = time.time()
-        for row in built.values():
-            for _ in range(warmup):
-                row.step()
-        clock.settle()
-        per_step = (time.time() - t_warm) / max(warmup * len(built), 1)
-        log(f"  {rounds} interleaved rounds x {steps} step(s) of {len(built)} methods"
-            + (f" (about {per_step * rounds * steps * len(built):.0f} s at the warm-up's pace)" if warmup else ""))
-        res["rounds"] = interleaved_rounds(built, rounds, steps, clock, log=log)
-        res["summary"] = summarize(res["rounds"])
-        # read once, after the timing (it may sync): a skipped step costs less than a taken one
-        res["nonfinite_steps"] = {name: int(row.opt.nonfinite_steps) for name, row in built.items()
-                                  if getattr(row.opt, "nonfinite_steps", 0)}
-        del built, template, batch
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        results["models"][md] = res
+        try:
+            results["models"][md] = _one_model(md, SIZES[size][md], kept, device, rounds, steps, warmup, mem_steps,
+                                               anchor_classes, memory, adamw, seconds, log)
+        except Interrupted as stop:
+            n = finished(stop.rounds)
+            if n:
+                results["models"][md] = stop.result
+            results["interrupted"] = f"during {md}'s timed rounds, after {n} finished round(s)" + (
+                ", kept below" if n else "")
+            break
+        except KeyboardInterrupt:
+            results["interrupted"] = f"during {md}, outside its timed rounds: nothing of {md} kept"
+            break
+    if "interrupted" in results:
+        log(f"interrupted {results['interrupted']}")
     results["seconds"] = round(time.time() - t0, 1)
     return results
+
+
+def _one_model(md: str, cfg: Dict[str, Any], kept: List[str], device: torch.device, rounds: int, steps: int,
+               warmup: int, mem_steps: int, anchor_classes: Dict[str, type], memory: bool, adamw: str,
+               seconds: Optional[float], log: Callable[[str], None]) -> Dict[str, Any]:
+    """One model's part of :func:`run`: memory, warm-up, timed rounds, summary."""
+    template = build_template(cfg)
+    batch = make_batch(cfg, device)
+    res: Dict[str, Any] = {"info": describe(cfg, template), "memory": {}}
+    log(f"{md} ({res['info']})")
+    if memory:
+        peak_memory(kept[0], template, cfg, batch, device, 1, anchor_classes, adamw)  # untimed: one-time allocs
+        for name in kept:
+            res["memory"][name] = peak_memory(name, template, cfg, batch, device, mem_steps, anchor_classes, adamw)
+        log("  peak memory, each method alone: " + ", ".join(
+            f"{n} {_size(v['peak_bytes'])}" for n, v in res["memory"].items()))
+    built = {name: Row(name, template, cfg, batch, device, anchor_classes, adamw) for name in kept}
+    clock = clock_for(device)
+    t_warm = time.time()
+    for row in built.values():
+        for _ in range(warmup):
+            row.step()
+    clock.settle()
+    per_step = (time.time() - t_warm) / max(warmup * len(built), 1)
+    log(f"  {rounds} interleaved rounds x {steps} step(s) of {len(built)} methods"
+        + (f" (about {per_step * rounds * steps * len(built):.0f} s at the warm-up's pace)" if warmup else "")
+        + (f", then more for up to {seconds:g} s in all" if seconds is not None else ""))
+    try:
+        res["rounds"] = interleaved_rounds(built, rounds, steps, clock, log=log, seconds=seconds)
+    except Interrupted as stop:
+        res["rounds"], res["summary"] = stop.rounds, summarize(stop.rounds)
+        stop.result = res
+        raise
+    res["summary"] = summarize(res["rounds"])
+    # read once, after the timing (it may sync): a skipped step costs less than a taken one
+    res["nonfinite_steps"] = {name: int(row.opt.nonfinite_steps) for name, row in built.items()
+                              if getattr(row.opt, "nonfinite_steps", 0)}
+    del built, template, batch
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _rounds(results: Dict[str, Any]) -> str:
+    """How many rounds were asked for: a number, or at least one and a time."""
+    if results.get("seconds_per_model") is None:
+        return str(results["rounds"])
+    return f"at least {results['rounds']} (more while {results['seconds_per_model']:g} s per model lasted)"
 
 
 def render(results: Dict[str, Any]) -> str:
@@ -503,7 +575,7 @@ def render(results: Dict[str, Any]) -> str:
            f"Command: `{results['command']}`" if results.get("command") else "",
            f"AdamW base ({results.get('adamw', 'default')} implementation, lr {BASE_KW['lr']}, "
            f"weight decay {BASE_KW['weight_decay']}), rho {RHO}; "
-           f"{results['warmup']} warm-up steps per method, then {results['rounds']} interleaved rounds (the order "
+           f"{results['warmup']} warm-up steps per method, then {_rounds(results)} interleaved rounds (the order "
            f"rotating) of {results['steps']} step(s) per method, timed with "
            + ("CUDA events (a synchronize before each method's steps, none inside them)" if "gpu" in m
               else "time.perf_counter")
@@ -512,17 +584,19 @@ def render(results: Dict[str, Any]) -> str:
         out.append(f"Anchor {flag}: {source}.")
     if results.get("anchors"):
         out.append("")
+    if results.get("interrupted"):
+        out += [f"**Interrupted** {results['interrupted']}: what follows is what had finished.", ""]
     if results.get("left_out"):
         out += [f"Left out (no checkout given): {', '.join(ROWS[r][0] for r in results['left_out'])}.", ""]
     out += ["### Verdicts (issue 33's goal)", "",
             f"PASS: the 95 % confidence interval (CI) of the median per-round ratio meets the goal; MISS: none of "
-            f"it does; too noisy: it straddles the goal (more `--rounds` narrow it); no verdict under "
-            f"{results.get('min_rounds', MIN_ROUNDS)} rounds. The IQR is the rounds' spread.", "",
+            f"it does; too noisy: it straddles the goal (more rounds, `--rounds` or `--seconds`, narrow it); "
+            f"no verdict under {results.get('min_rounds', MIN_ROUNDS)} rounds. The IQR is the rounds' spread.", "",
             markdown_table(["model", "goal", "measured", "verdict"], goal_rows(results)), ""]
     for md, res in results["models"].items():
         s = res["summary"]
         base_ms = s["methods"].get(BASELINE, {}).get("ms")
-        out += [f"### {md}: {res['info']}", ""]
+        out += [f"### {md}: {res['info']}", "", f"{finished(res['rounds'])} interleaved rounds.", ""]
         table = []
         for name, row in s["methods"].items():
             p = s["pairs"].get(f"{name}/{BASELINE}")
