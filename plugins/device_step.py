@@ -31,11 +31,11 @@ _NAN = float("nan")
 
 def decides(opt, step: StepInFlight) -> bool:
     """Whether this step keeps its decisions on the device: one process or replicas, one
-    device and dtype (float32/64), plain geometry (a GradScaler or none), and a slope buffer
+    device and dtype (float32/64), a GradScaler or none, and a slope buffer
     for every parameter already (the first step, which makes them, ``d_0 = g_0`` from a
-    finite ``g_0``, reads on the host once), and eVASSO's previous ascent too (made by its
-    first two-pass step) where its stability is tracked."""
-    if not (opt._decide_on_device and step.lists.on_device and not opt.adaptive and opt.partition_group is None):
+    finite ``g_0``, reads on the host once), and the previous ascent too (made by the first
+    two-pass step) where the stability keeps it (eVASSO, ASAM)."""
+    if not (opt._decide_on_device and step.lists.on_device and opt.partition_group is None):
         return False
     dtype = step.lists.params[0].dtype
     if any(g.dtype is not dtype for g in step.grads):
@@ -50,9 +50,10 @@ def decides(opt, step: StepInFlight) -> bool:
 
 
 def buffered_stability(opt) -> bool:
-    """eVASSO's stability: the coin's one-pass steps move ``d_t`` too, so the previous ascent
-    is not recoverable from the slope buffer and is kept in a buffer of its own
-    (``previous_ascent``, one model's size, as on the host path)."""
+    """eVASSO's and ASAM's stability: the coin's one-pass steps move ``d_t`` too, and ASAM's
+    ascent depends on ``x_t``, so the previous ascent is not recoverable from the slope
+    buffer and is kept in a buffer of its own (``previous_ascent``, one model's size, as on
+    the host path)."""
     return opt.track_stability and not opt._scalar_stability()
 
 
@@ -92,12 +93,12 @@ def perturb(opt, step: StepInFlight) -> bool:
     """:meth:`~plugins.SharpnessAware.perturb` with no host read.  Returns the coin: True
     means run the second pass, even where ``g_t`` was not finite (nothing moved then, and
     :func:`descend` skips the base step on the device)."""
-    finite, slope_norm, inner = rule(opt, step)
+    finite, slope_norm, inner, ascent = rule(opt, step)
     step.finite = finite
     zero, one = step.lists.constants()[:2]
     step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
     if step.two_pass:
-        _diagnose(opt, step, slope_norm, inner)
+        _diagnose(opt, step, slope_norm, inner, ascent)
         step.kind = Kind.PERTURBED
         step.grads = None  # as perturb()'s: g_t is not held through the second pass
     else:
@@ -107,16 +108,19 @@ def perturb(opt, step: StepInFlight) -> bool:
     return step.two_pass
 
 
-def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
+                                          Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """The paper's rule as :meth:`~plugins.SharpnessAware._rule` states it, with its one
     decision on the device: the slope buffer takes ``v_t`` in place, and where ``g_t`` was
     not finite one ``torch.where`` puts ``v_{t-1}`` back before anything uses it, so that
-    ``d_t = d_{t-1}`` and the ascent's scale is 0.  Returns ``g_t``'s finiteness,
-    ``||v_t||`` and ``<v_t, v_{t-1}>`` (the stability's), on the device."""
+    ``d_t = d_{t-1}`` and the ascent's scale is 0.  Returns, on the device, ``g_t``'s
+    finiteness, ``||v_t||``, the stability's inner product (``<v_t, v_{t-1}>``, or with the
+    previous ascent ``eps_last``: ``<v_t, eps_last>``, ASAM's ``<eps_t / rho, eps_last>``)
+    and ASAM's ``(||T v_t||, ||eps_t||)``."""
     lists, theta = step.lists, opt.theta
     v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
     if theta is None and not step.two_pass:             # SAM's slope keeps the last ascent's g: only check g_t
-        return ondevice.total_norm(step.grads) < math.inf, None, None
+        return ondevice.total_norm(step.grads) < math.inf, None, None, None
     grads = step.grads
     if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
         grads = scaling.unscale(grads, step.loss_scale, in_place=False)
@@ -130,50 +134,82 @@ def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor],
         finite = slope_norm < math.inf
         torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
         if not step.two_pass:
-            return finite, None, None
-        kept = lists.flat_previous_ascent if buffered_stability(opt) else None  # eVASSO: eps of the last ascent
-        if kept is not None:
+            return finite, None, None, None
+        kept = lists.flat_previous_ascent if buffered_stability(opt) else None  # eVASSO, ASAM: eps_last
+        inner = ascent = None
+        if kept is not None and not opt.adaptive:
             inner = torch.dot(v.flat, kept.flat)        # <v_t, eps_last>
-        else:
+        elif kept is None:
             inner = torch.dot(v.flat, previous) if opt._scalar_stability() else None  # <v_t, v_{t-1}>
-        opt._keep_for_descent(step, v.views)           # x_t for an exact restore, g_t for GSAM
-        unit = P.unit_scale(slope_norm)                 # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
-        # x_t + eps_t: v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
-        torch.mul(v.flat, unit, out=previous)
-        P.move_(lists.storage_params, pieces, step.rho)
+        opt._keep_for_descent(step, v.views)           # x_t for an exact restore (ASAM's), g_t for GSAM
+        if opt.adaptive:  # into v_{t-1}'s copy (used up): T^2 v_t / ||T v_t||, 0 if not finite
+            scaled_norm, unit = _adaptive_direction(opt, lists, v, previous, pieces, finite)
+            ascent = (scaled_norm, torch.linalg.vector_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
+            if kept is not None:
+                inner = torch.dot(previous, kept.flat)  # <eps_t / rho, eps_last>
+        else:
+            unit = P.unit_scale(slope_norm)             # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
+            # v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
+            torch.mul(v.flat, unit, out=previous)
+        P.move_(lists.storage_params, pieces, step.rho)  # x_t + eps_t
         if kept is not None:  # eps_t = rho * that product is the next previous ascent, where g_t was finite
             torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
     P.moved_parameters()
-    return finite, slope_norm, inner
+    return finite, slope_norm, inner, ascent
 
 
-def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner) -> None:
+def _adaptive_direction(opt, lists: StepLists, v: ondevice.Flat, into: torch.Tensor, pieces, finite):
+    """ASAM's ascent direction over the flat buffers (eq. (5b) in its geometry, ``eps_t = rho
+    T^2 v_t / ||T v_t||``, ``T = |x_t| + eta`` on the weights and 1 elsewhere, as
+    :func:`plugins.perturbation.ascent_direction` has it): ``into`` (of ``v``'s size, its
+    ``pieces`` in the parameters' storage order) becomes ``T^2 v_t / ||T v_t||``, all zeros
+    where ``g_t`` was not finite.  Returns ``||T v_t||`` and ``1 / ||T v_t||`` (0 then)."""
+    torch._foreach_copy_(pieces, lists.storage_params)  # x_t, flat
+    into.abs_().add_(opt.eta)                           # T, and 1 where the geometry is plain (biases, norms):
+    plain = [piece for piece, weight in zip(pieces, lists.mask) if not weight]
+    if plain:
+        torch._foreach_zero_(plain)
+        torch._foreach_add_(plain, 1.0)
+    scaled = torch.mul(v.flat, into)                    # T v_t (a model-sized temporary, freed on return)
+    scaled_norm = torch.linalg.vector_norm(scaled)
+    unit = torch.where(finite, P.unit_scale(scaled_norm), 0.0)  # a non-finite g_t moves nothing
+    into.mul_(scaled).mul_(unit)                        # T (T v_t) / ||T v_t||
+    return scaled_norm, unit
+
+
+def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner, ascent) -> None:
     """The step's diagnostics as :meth:`~plugins.SharpnessAware._diagnose` gives them,
     computed only when read (:meth:`plugins.diagnostics.Diagnostics.later`); the last
-    applied ascent's ``[s, ||v||]`` is kept on the device for the next step's stability."""
+    applied ascent is kept on the device for the next step's stability
+    (:meth:`~plugins.SharpnessAware._last_ascent`: ``[s, ||v||]``, ASAM's ``[rho, ||v||, ||eps||]``)."""
     rho, finite, unit = step.rho, step.finite, step.scale
     stability = opt.track_stability and inner is not None
-    buffered = buffered_stability(opt)  # inner is <v_t, eps_last>, else <v_t, v_{t-1}>
+    buffered = buffered_stability(opt)  # inner is <v_t, eps_last> (ASAM's <eps_t / rho, eps_last>), else <v_t, v_{t-1}>
     last = opt._last_ascent(unit) if opt.track_stability else None
-    if opt.track_stability:  # s = rho / ||v||: the next step's previous ascent
+    if opt.track_stability and ascent is not None:
+        opt._last = torch.where(finite, torch.stack([torch.full_like(unit, rho), slope_norm.to(unit.dtype),
+                                                     ascent[1].to(unit.dtype)]), last)
+    elif opt.track_stability:  # s = rho / ||v||: the next step's previous ascent
         opt._last = torch.where(finite, torch.stack([unit * rho, slope_norm.to(unit.dtype)]), last)
 
     def compute() -> torch.Tensor:
         norm = slope_norm.double()
         nan = torch.full((), _NAN, dtype=torch.float64, device=norm.device)
-        ascent_norm = P.plain_ascent_norm(rho, norm)
+        if ascent is not None:  # ASAM: ||eps_t|| and the sharpness rho ||T v_t||
+            ascent_norm, sharpness = ascent[1].double(), P.estimated_sharpness(rho, ascent[0].double())
+        else:
+            ascent_norm, sharpness = P.plain_ascent_norm(rho, norm), P.estimated_sharpness(rho, norm)
         value = nan
         if stability:
-            s_last, norm_last = last.double().unbind(0)
-            if buffered:  # ||eps_t - eps_last|| from <eps_t, eps_last> = rho / ||v_t|| <v_t, eps_last>
-                inner_ascents = unit.double() * rho * inner.double()
-                value = P.distance_between_ascents(ascent_norm, s_last * norm_last, inner_ascents)
+            last_norm = last.double()[2] if ascent is not None else last.double()[0] * last.double()[1]
+            if buffered:  # ||eps_t - eps_last|| from <eps_t, eps_last>
+                inner_ascents = (rho if ascent is not None else unit.double() * rho) * inner.double()
+                value = P.distance_between_ascents(ascent_norm, last_norm, inner_ascents)
             else:
-                value = P.plain_stability(unit.double() * rho, s_last, inner.double(), ascent_norm,
-                                          s_last * norm_last)
-        taken = torch.stack([torch.ones_like(norm), ascent_norm, P.estimated_sharpness(rho, norm), value,
-                             torch.zeros_like(norm)])
+                value = P.plain_stability(unit.double() * rho, last.double()[0], inner.double(), ascent_norm,
+                                          last_norm)
+        taken = torch.stack([torch.ones_like(norm), ascent_norm, sharpness, value, torch.zeros_like(norm)])
         skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
         return torch.where(finite, taken, skipped)
     step.diagnostics.later(("two_pass", "ascent_norm", "sharpness", "stability", "nonfinite"), compute)

@@ -282,14 +282,17 @@ class SharpnessAware(torch.optim.Optimizer):
 
     # The last applied ascent's ``rho``, ``||v||`` and ``||eps||`` (the stability's previous
     # ascent; None before the first): host floats, or, after steps decided on the device, a
-    # device vector ``[s, ||v||]`` (``_last``) read back here when the host asks.
+    # device vector (``_last``: ``[s, ||v||]`` with ``s = rho / ||v||``, adaptive geometry's
+    # ``[rho, ||v||, ||eps||]``) read back here when the host asks.
     @property
     def _previous(self) -> Optional[Dict[str, float]]:
         last = self.__dict__.get("_last")
         if last is not None:
-            s, norm = last.tolist()
-            self._previous_host = None if math.isnan(s) else {"rho": s * norm, "slope_norm": norm,
-                                                              "ascent_norm": s * norm}
+            values = last.tolist()
+            rho, norm, ascent = values if len(values) == 3 else (values[0] * values[1], values[1],
+                                                                 values[0] * values[1])
+            self._previous_host = None if math.isnan(rho) else {"rho": rho, "slope_norm": norm,
+                                                                "ascent_norm": ascent}
             self._last = None
         return self._previous_host
 
@@ -299,15 +302,22 @@ class SharpnessAware(torch.optim.Optimizer):
         self._last = None
 
     def _last_ascent(self, like: torch.Tensor) -> torch.Tensor:
-        """``[s, ||v||]`` of the last applied ascent on ``like``'s device (NaN: none yet)."""
+        """``[s, ||v||]`` of the last applied ascent on ``like``'s device, adaptive geometry's
+        ``[rho, ||v||, ||eps||]`` (NaN: none yet)."""
         if self._last is None:
             previous = self._previous_host
-            s = _NAN if previous is None else P.plain_ascent_scale(previous["rho"], previous["slope_norm"])
-            norm = _NAN if previous is None else previous["slope_norm"]
+            if previous is None:
+                values = [_NAN] * (3 if self.adaptive else 2)
+            elif self.adaptive:
+                values = [previous["rho"], previous["slope_norm"], previous["ascent_norm"]]
+            else:
+                values = [P.plain_ascent_scale(previous["rho"], previous["slope_norm"]), previous["slope_norm"]]
             # filled on the device: torch.tensor(..., device=cuda), or an item assigned a float, copies
-            # from pageable host memory, a host sync (torch's sync debug mode saw one on an H100)
-            self._last = torch.full((2,), s, dtype=like.dtype, device=like.device)
-            self._last[1:].fill_(norm)
+            # from pageable host memory, a host sync (torch's sync debug mode saw one on an H100); a
+            # value may be a 0-dim device tensor already (adaptive geometry's ||eps|| of the host path)
+            self._last = torch.empty(len(values), dtype=like.dtype, device=like.device)
+            for i, value in enumerate(values):
+                self._last[i:i + 1].fill_(value)
         return self._last
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -102,10 +102,9 @@ def coin_seed(p: float, skipped: int = 2) -> int:
 
 def decided_on_device(kind: str, dtype=torch.float32) -> bool:
     """Whether the member's steps are decided on the device (``plugins.ondevice``) once its
-    slope buffers (and eVASSO's previous ascent) exist: fp32/fp64 parameters (a GradScaler or
-    none) and plain geometry (``plugins.device_step.decides``)."""
-    cls, knobs = VARIANTS[kind]
-    return dtype in (torch.float32, torch.float64) and not knobs.get("adaptive")
+    slope buffers (and the previous ascent, where its stability keeps one) exist: fp32/fp64
+    parameters, a GradScaler or none, every member (``plugins.device_step.decides``)."""
+    return dtype in (torch.float32, torch.float64)
 
 
 def expected_syncs(kind: str, coins, dtype=torch.float32, fused: bool = False):

@@ -549,7 +549,7 @@ def test_a_scaler_must_be_a_grad_scaler():
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("kind", KINDS + ["eSAM"])
 def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
-    """On the host path (bf16/fp16 parameters, ASAM) 2 per two-pass step (perturb 1,
+    """On the host path (bf16/fp16 parameters) 2 per two-pass step (perturb 1,
     the finish 1) and 1 per step the coin skips; 1 per step decided on the device (fp32: SGD
     cannot take found_inf, its verdict is read, the scaler's own read under a scaler); with
     or without a scaler, in both APIs; the scaler's own calls add none."""
@@ -578,7 +578,7 @@ def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "ASAM"])
 def test_cuda_sync_debug_mode_sees_one_sync_per_scaled_step_over_sgd(api, kind):
     """Under a scaler, over SGD (which cannot take torch's found_inf): a step decided on the
-    device reads its verdict once; ASAM's host path reads twice."""
+    device reads its verdict once, ASAM's geometry's too."""
     model = make_model().cuda()
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
     scaler = make_scaler("cuda", init_scale=2.0 ** 8)
@@ -601,7 +601,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_scaled_step_over_sgd(api, kind):
 @CUDA
 @pytest.mark.parametrize("precision", ["bf16", "fp16+scaler"])
 @pytest.mark.parametrize("api", APIS)
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G", "ASAM", "adaptive eVASSO"])
 def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, kind, precision):
     """The bf16 path of issue 33 (autocast, no scaler) and its fp16 path (autocast, a
     GradScaler), fused AdamW: torch's own sync debug mode sees nothing between the first

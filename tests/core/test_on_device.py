@@ -30,13 +30,13 @@ def train(kind, path, steps=8, base=torch.optim.SGD, model=None, **kw):
 
 
 @pytest.mark.parametrize("exact_restore", [False, True])
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G", "ASAM", "adaptive eVASSO"])
 def test_the_device_path_trains_as_the_host_path_does(kind, exact_restore):
     host_model, host_opt, host_diags = train(kind, "host", exact_restore=exact_restore)
     dev_model, dev_opt, dev_diags = train(kind, "device", exact_restore=exact_restore)
     assert dev_opt._lists.flat_slope is not None
     assert host_opt._lists.flat_slope is None  # the host path never made one
-    if kind == "eVASSO":  # its previous ascent flat too: the stabilities below are of the device path
+    if kind in ("eVASSO", "ASAM", "adaptive eVASSO"):  # the previous ascent flat too: their stabilities below
         assert dev_opt._lists.flat_previous_ascent is not None and host_opt._lists.flat_previous_ascent is None
     torch.testing.assert_close(flat(dev_model.parameters()), flat(host_model.parameters()), rtol=1e-5, atol=1e-6)
     for t, (a, b) in enumerate(zip(host_diags, dev_diags)):
@@ -114,7 +114,7 @@ def test_gradients_of_another_dtype_take_the_host_path():
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("api", ["closure", "explicit"])
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G", "ASAM"])
 def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api, scaled):
     """On a GPU a tensor made from host data (``torch.tensor``, an element assigned a Python
     float: ``aten::lift_fresh``) is a synchronizing copy; a read (``_local_scalar_dense``) is
@@ -149,7 +149,7 @@ def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api, scaled):
 
 
 @pytest.mark.parametrize("path", ["host", "device"])
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO", "GSAM", "V+G"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO", "GSAM", "V+G", "ASAM"])
 def test_no_first_gradient_is_held_through_the_second_pass(kind, path):
     """g_t lives on in the slope buffer (GSAM's correction reads it there, or in V+G's copy):
     the step holds no tensor of g_t through the second pass, whose backward is the peak
@@ -196,6 +196,26 @@ def test_flat_slope_buffers_keep_channels_last():
         assert v.shape == q.shape and v.stride() == q.stride()
         assert opt.state[q]["sam_slope"] is v  # the buffers are the flat tensor's views
     assert all(v.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr() for v in views)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind", ["ASAM", "adaptive eVASSO"])
+def test_asams_geometry_on_the_device_scales_each_element_by_its_own_weight_channels_last_too(kind, device):
+    """ASAM's ``T = |x| + eta`` is made over a flat buffer from the parameters' storage-order
+    views: element for element it must scale the slope element it belongs to, channels_last
+    weights (whose storage order is not their logical order) included, and 1 on the biases.
+    The same run on the host path (per tensor, logical order) gives the same parameters."""
+    runs = {}
+    for path in ("host", "device"):
+        torch.manual_seed(0)
+        model, x, y = conv_net_and_batch(device)
+        opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
+        opt._decide_on_device = path == "device"
+        for _ in range(6):
+            opt.step(closure_for(opt, model, x, y))
+        assert (opt._lists.flat_slope is not None) == (path == "device")
+        runs[path] = flat(model.parameters())
+    torch.testing.assert_close(runs["device"], runs["host"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -325,7 +345,7 @@ def test_parameters_whose_data_are_replaced_get_new_flat_buffers():
     opt.abandon()
 
 
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO", "ASAM", "adaptive eVASSO"])
 def test_a_state_dict_saved_mid_run_resumes_on_the_device_path(kind, tmp_path):
     """The slope buffers are views of one flat tensor: saved and loaded as any state, and made
     flat again by the first step after the load; the resumed run continues bit for bit."""
@@ -411,7 +431,7 @@ def test_a_parameter_that_joins_later_takes_the_host_path_once():
     assert opt._lists.flat_slope is not None and any(q is first for q in opt._lists.params)
 
 
-@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO"])
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO", "ASAM"])
 def test_parameters_left_out_of_a_step_keep_no_earlier_flat_buffer_alive(kind):
     """LayerDrop-style training: each step a different subset of blocks gets a gradient, and
     each new set gets a flat slope buffer of its own.  The slopes of the parameters left out

@@ -112,7 +112,7 @@ def test_the_host_sync_check_fails_on_one_more_sync(device, monkeypatch):
         checks.check_host_syncs(device)
     counted = failed.value.details["counted_per_step"]
     assert "SAM closure" in failed.value.figure and "syncs in a step (at most 1)" in failed.value.figure
-    assert "ASAM closure" in failed.value.figure and "syncs in a step (at most 2)" in failed.value.figure
+    assert "ASAM closure" in failed.value.figure  # ASAM's geometry too is decided on the device
     assert all(max(counted[f"{m} {api}"]) > checks.sync_limit(m)
                for m in checks.MEMBERS for api in ("closure", "explicit"))
     fused = failed.value.details.get("fused_counted_per_step")

@@ -384,10 +384,12 @@ def check_host_syncs(device: str) -> Figure:
                 if n > limit:
                     failures.append(f"{key}: torch's sync debug mode saw {n} syncs in a step (at most {limit})")
     details = {"counted_per_step": counted, "limit": {m: sync_limit(m) for m in MEMBERS}}
-    most = {path: max(max(c) for k, c in counted.items() if (k.split()[0] in ON_DEVICE) == on)
-            for path, on in (("device", True), ("host", False))}
-    figure = (f"scaled, SGD, {len(MEMBERS)} members x 2 APIs: at most {most['device']} per step decided on the "
-              f"device ({', '.join(ON_DEVICE)}), {most['host']} on the host path (counted)")
+    paths = [(f"per step decided on the device ({', '.join(members)})" if on else
+              f"on the host path ({', '.join(members)})", max(max(counted[f"{m} {api}"]) for m in members
+                                                              for api in ("closure", "explicit")))
+             for on in (True, False) for members in [[m for m in MEMBERS if (m in ON_DEVICE) == on]] if members]
+    figure = (f"scaled, SGD, {len(MEMBERS)} members x 2 APIs: "
+              + ", ".join(f"at most {most} {where}" for where, most in paths) + " (counted)")
     if cuda:
         details["cuda_sync_debug_mode"] = debug
         figure += f"; torch's CUDA sync debug mode: at most {max(debug.values())}"
@@ -399,8 +401,9 @@ def check_host_syncs(device: str) -> Figure:
     return figure, details
 
 
-#: the members whose steps are decided on the device (plain geometry, eVASSO's buffered stability included)
-ON_DEVICE = ("SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G")
+#: the members whose steps are decided on the device: every one (ASAM's geometry too since 2026-11-28);
+#: the host path stays for fp16/bf16 parameters, several devices, partition_group (docs/design.md, section 7)
+ON_DEVICE = tuple(MEMBERS)
 
 
 def fused_adamw_missing(device: str) -> Optional[str]:
