@@ -135,24 +135,23 @@ def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor],
         torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
         if not step.two_pass:
             return finite, None, None, None
-        kept = lists.flat_previous_ascent if buffered_stability(opt) else None  # eVASSO, ASAM: eps_last
         inner = ascent = None
-        if kept is not None and not opt.adaptive:
-            inner = torch.dot(v.flat, kept.flat)        # <v_t, eps_last>
-        elif kept is None:
-            inner = torch.dot(v.flat, previous) if opt._scalar_stability() else None  # <v_t, v_{t-1}>
+        if opt._scalar_stability():
+            inner = torch.dot(v.flat, previous)         # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
         opt._keep_for_descent(step, v.views)           # x_t for an exact restore (ASAM's), g_t for GSAM
         if opt.adaptive:  # into v_{t-1}'s copy (used up): T^2 v_t / ||T v_t||, 0 if not finite
             scaled_norm, unit = _adaptive_direction(opt, lists, v, previous, pieces, finite)
             ascent = (scaled_norm, torch.linalg.vector_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
-            if kept is not None:
-                inner = torch.dot(previous, kept.flat)  # <eps_t / rho, eps_last>
         else:
             unit = P.unit_scale(slope_norm)             # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
             # v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
             torch.mul(v.flat, unit, out=previous)
         P.move_(lists.storage_params, pieces, step.rho)  # x_t + eps_t
-        if kept is not None:  # eps_t = rho * that product is the next previous ascent, where g_t was finite
+        if buffered_stability(opt):  # eVASSO, ASAM: the previous ascent eps_last, kept flat
+            kept = lists.flat_previous_ascent
+            # the stability's inner product: ASAM's <eps_t / rho, eps_last>, else <v_t, eps_last>
+            inner = torch.dot(previous if opt.adaptive else v.flat, kept.flat)
+            # eps_t = rho * that product is the next previous ascent, where g_t was finite
             torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
     P.moved_parameters()
@@ -202,13 +201,13 @@ def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner, ascent) 
             ascent_norm, sharpness = P.plain_ascent_norm(rho, norm), P.estimated_sharpness(rho, norm)
         value = nan
         if stability:
-            last_norm = last.double()[2] if ascent is not None else last.double()[0] * last.double()[1]
+            previous = last.double()  # [s, ||v||], ASAM's [rho, ||v||, ||eps||]
+            last_norm = previous[2] if ascent is not None else previous[0] * previous[1]
             if buffered:  # ||eps_t - eps_last|| from <eps_t, eps_last>
                 inner_ascents = (rho if ascent is not None else unit.double() * rho) * inner.double()
                 value = P.distance_between_ascents(ascent_norm, last_norm, inner_ascents)
             else:
-                value = P.plain_stability(unit.double() * rho, last.double()[0], inner.double(), ascent_norm,
-                                          last_norm)
+                value = P.plain_stability(unit.double() * rho, previous[0], inner.double(), ascent_norm, last_norm)
         taken = torch.stack([torch.ones_like(norm), ascent_norm, sharpness, value, torch.zeros_like(norm)])
         skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
         return torch.where(finite, taken, skipped)

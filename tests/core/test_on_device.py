@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugins import SAM, VASSO
 from plugins.perturbation import rng_state
@@ -16,6 +17,19 @@ from core_helpers import (backward_for, build, closure_for, cpu_scaler, first_ba
                           make_batches, make_model)
 
 DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap", "nonfinite", "rho")
+
+
+class Dispatched(TorchDispatchMode):
+    """Records each dispatched op whose name (its overload packet's) is one of ``names``."""
+
+    def __init__(self, *names: str):
+        super().__init__()
+        self.names, self.seen = names, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.names:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def train(kind, path, steps=8, base=torch.optim.SGD, model=None, **kw):
@@ -120,19 +134,7 @@ def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api, scaled):
     float: ``aten::lift_fresh``) is a synchronizing copy; a read (``_local_scalar_dense``) is
     one too.  None in the steps decided on the device, the first two-pass one after steps the
     coin skipped included (eSAM's step 4: the H100 run's sync debug mode found one there)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from plugins.lab.selftest.checks import protocol_step
-
-    class HostData(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("lift_fresh", "lift_fresh_copy", "_local_scalar_dense"):
-                self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     model = make_model()
     opt = build(kind, model.parameters(), fused_adamw_on("cpu"), lr=1e-2, rho=0.2, fused=True)
@@ -140,8 +142,7 @@ def test_steps_on_the_device_make_no_tensor_from_host_data(kind, api, scaled):
     seen = []
     for t, (x, y) in enumerate(make_batches(8)):
         backward = backward_for(opt, model, x, y, api, scaler)
-        mode = HostData()
-        with mode:
+        with Dispatched("lift_fresh", "lift_fresh_copy", "_local_scalar_dense") as mode:
             protocol_step(opt, model, backward, api, scaler)
         if opt._lists.flat_slope is not None:  # made by the first step decided on the device
             seen.append((t, mode.seen))
@@ -283,22 +284,9 @@ def test_the_step_makes_no_view_per_tensor_and_holds_no_scratch_between_uses(kin
     view per tensor costs host time that a host-bound model pays, and the scratch's storage is
     allocated only inside perturb() and the restore, as the product it replaces was: empty
     through the second pass, the peak of a step's memory, and between steps."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from plugins import ondevice
 
     monkeypatch.setattr(ondevice, "flat_scratch_is_cheap", lambda t: flat_restore)
-
-    class Views(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("split", "split_with_sizes"):
-                self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     model, x, y = conv_net_and_batch()
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
     for _ in range(2):  # the first step makes the slope buffers, the second the flat one and its scratch
@@ -313,7 +301,7 @@ def test_the_step_makes_no_view_per_tensor_and_holds_no_scratch_between_uses(kin
 
     for _ in range(3):
         before = flat(model.parameters())
-        with Views() as mode:
+        with Dispatched("split", "split_with_sizes") as mode:
             opt.step(closure)
         assert mode.seen == [], mode.seen
         assert not torch.equal(flat(model.parameters()), before)

@@ -384,12 +384,13 @@ def check_host_syncs(device: str) -> Figure:
                 if n > limit:
                     failures.append(f"{key}: torch's sync debug mode saw {n} syncs in a step (at most {limit})")
     details = {"counted_per_step": counted, "limit": {m: sync_limit(m) for m in MEMBERS}}
-    paths = [(f"per step decided on the device ({', '.join(members)})" if on else
-              f"on the host path ({', '.join(members)})", max(max(counted[f"{m} {api}"]) for m in members
-                                                              for api in ("closure", "explicit")))
-             for on in (True, False) for members in [[m for m in MEMBERS if (m in ON_DEVICE) == on]] if members]
-    figure = (f"scaled, SGD, {len(MEMBERS)} members x 2 APIs: "
-              + ", ".join(f"at most {most} {where}" for where, most in paths) + " (counted)")
+    parts = []
+    for where, members in (("per step decided on the device", [m for m in MEMBERS if m in ON_DEVICE]),
+                           ("on the host path", [m for m in MEMBERS if m not in ON_DEVICE])):
+        if members:  # (every member is decided on the device now: no host-path group)
+            most = max(max(counted[f"{m} {api}"]) for m in members for api in ("closure", "explicit"))
+            parts.append(f"at most {most} {where} ({', '.join(members)})")
+    figure = f"scaled, SGD, {len(MEMBERS)} members x 2 APIs: " + ", ".join(parts) + " (counted)"
     if cuda:
         details["cuda_sync_debug_mode"] = debug
         figure += f"; torch's CUDA sync debug mode: at most {max(debug.values())}"
