@@ -623,7 +623,11 @@ def _log_diagnostics(sa, ctx):
     prints, at its own log interval, as it does for its loss."""
     diag = sa.last_diagnostics
     raw = diag.unread() if hasattr(diag, "unread") else diag  # the core's lazy Diagnostics, unread
-    two_pass = float(raw.get("two_pass", 0.0))
+    two_pass = raw.get("two_pass", 0.0)
+    if torch.is_tensor(two_pass):
+        # decided on the device: the coin said two passes, and this step, logged because it was
+        # taken, was finite; reading the value would cost a host sync every update
+        two_pass = 1.0
     values = {
         "ascent_norm": raw.get("ascent_norm", float("nan")),
         "loss_gap": ctx.loss_gap if two_pass else float("nan"),

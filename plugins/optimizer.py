@@ -875,6 +875,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _base_step(self) -> None:
         self.base_optimizer.step()
+        self._lists.base_stepped = True  # a fused base has its state now (plugins.ondevice.base_step)
         P.moved_parameters()
 
     @contextlib.contextmanager

@@ -264,9 +264,12 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
     if torch.is_tensor(h_norm):  # 0-dim device tensors (a step decided on the device): no host decision
         h_sq = h_norm * h_norm
         moved = h_sq > 0.0  # h == 0: left as it is, as below
-        factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq))
+        # in the gradients' dtype (the sums are float64): a scalar tensor of another dtype sends
+        # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway
+        dtype = second_grads[0].dtype
+        factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq)).to(dtype)
         torch._foreach_mul_(list(second_grads), factor)
-        torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), moved * -alpha))
+        torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), (moved * -alpha).to(dtype)))
         return
     h_sq = h_norm * h_norm
     if h_sq == 0.0:
