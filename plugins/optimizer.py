@@ -121,26 +121,11 @@ class SharpnessAware(torch.optim.Optimizer):
         exact_restore: keep a copy of ``x_t`` during each two-pass step and restore
             from it, bit for bit, instead of subtracting ``eps`` again (one more
             parameter-sized buffer; automatic for adaptive geometry and fp16/bf16).
-        partition_group: the ``torch.distributed`` process group over which the
-            parameters are split among the ranks' optimizers, each holding only its own
-            part: ``ZeroRedundancyOptimizer`` and fairscale's ``OSS`` with this class as
-            their optimizer class, or a hand-split model.  The step's sums of squares and
-            inner products are then summed over the group, and before the second
-            forward every owner sends its parameters at ``x + eps`` to the other ranks,
-            so the second pass must be given the model (``step(closure, model=model)``,
-            ``second_pass(model, rng)``).  None (the default) for one process, for DDP
-            replicas and for DTensor parameters (FSDP2's ``fully_shard``), which carry
-            their device mesh; given with DTensors it is refused.  Named this way because
-            ``ZeroRedundancyOptimizer`` and ``OSS`` keep ``process_group`` / ``group``
-            for themselves: pass them the same group.  They also copy this keyword into
-            their ``state_dict()``, where a ``ProcessGroup`` cannot be pickled: pass it
-            there as :class:`plugins.PartitionGroup` ``(group)``, which can.  Ranks that
-            train models of their own pass a group of one rank
-            (``torch.distributed.new_subgroups(1)[0]``): nothing is reduced.  Slices of
-            flat parameters that the model all-gathers itself in every forward (fairscale's
-            FSDP, torch's FSDP1 without ``use_orig_params``) pass
-            ``PartitionGroup(group, model_gathers=True)``: the sums run over the group,
-            nothing is sent before the second pass, which then needs no model.
+        partition_group: the ``torch.distributed`` group over which the parameters are split
+            among the ranks' optimizers (``ZeroRedundancyOptimizer``, fairscale's ``OSS``, a
+            hand-split model: pass it to them as :class:`plugins.PartitionGroup`; flat shards
+            the model gathers itself: ``PartitionGroup(group, model_gathers=True)``). None for
+            one process, DDP and FSDP2 (``docs/distributed.md``).
 
     Two ways to use it.  With a closure (torch's convention)::
 
