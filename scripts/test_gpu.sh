@@ -28,7 +28,9 @@
 # A test that skips for lack of a GPU fails here (VASSO_REQUIRE_GPU=1), but for a `two_gpus` test on
 # one GPU. DomainBed is found as everywhere (DOMAINBED_ROOT, the environment's copy,
 # ../shared/DomainBed beside this checkout).
-# --install-only: set up the --wheelhouse venv and stop (no GPU needed). The venv gets every package
+# --node-platform: print the scripts/wheelhouse.sh command for this node (PYTHON's version, its
+# platform from the machine and the glibc, its torch) and stop. --install-only: set up the
+# --wheelhouse venv and stop (no GPU needed). The venv gets every package
 # of DIR/requirements.txt from DIR, in its own site-packages (the node's copies of them stay where
 # they are, unused; the torch stack is the node's): the set-up lists them and fails unless each is
 # then imported from the venv at DIR's version. The venv is made again when the wheelhouse, the
@@ -36,17 +38,36 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }  # the comment above
-WHEELHOUSE="" PY="" INSTALL_ONLY=0 PYTEST_ARGS=()
+WHEELHOUSE="" PY="" INSTALL_ONLY=0 NODE_PLATFORM=0 PYTEST_ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --wheelhouse) WHEELHOUSE=${2:-}; [ -n "$WHEELHOUSE" ] || { echo "test_gpu.sh: --wheelhouse needs a folder" >&2; exit 2; }; shift 2 ;;
         --python) PY=${2:-}; [ -n "$PY" ] || { echo "test_gpu.sh: --python needs a path" >&2; exit 2; }; shift 2 ;;
         --install-only) INSTALL_ONLY=1; shift ;;
+        --node-platform) NODE_PLATFORM=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; PYTEST_ARGS=("$@"); break ;;
         *) echo "test_gpu.sh: unknown argument $1 (pytest's arguments go after --; see --help)" >&2; exit 2 ;;
     esac
 done
+if [ "$NODE_PLATFORM" = 1 ]; then  # the node's Python, as --wheelhouse takes it (PYTHON), or --python's
+    exec "${PY:-${PYTHON:-python3}}" - <<'PY'
+import importlib.metadata, os, platform, sys
+
+libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) else ""
+if not libc.startswith("glibc "):
+    sys.exit(f"test_gpu.sh: no glibc found ({libc or 'none'}): this node takes no manylinux wheels")
+major, minor = libc.split()[1].split(".")[:2]
+try:
+    torch = importlib.metadata.version("torch").split("+")[0]
+except importlib.metadata.PackageNotFoundError:
+    sys.exit(f"test_gpu.sh: {sys.executable} has no torch: PYTHON=/path/to/python3 names the node's Python, "
+             "the one with its torch")
+version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+print(f"PYTHON=/path/to/python{version} bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version {version} "
+      f"--platform manylinux_{major}_{minor}_{platform.machine()} --torch {torch}")
+PY
+fi
 if [ -n "$WHEELHOUSE" ] && [ -n "$PY" ]; then
     echo "test_gpu.sh: give --wheelhouse DIR or --python PATH, not both" >&2; exit 2
 fi
@@ -76,7 +97,7 @@ else
     BASE=${PY:-.venv/bin/python}
     [ -x "$BASE" ] || { echo "test_gpu.sh: no Python at $BASE: give --wheelhouse DIR or --python PATH" \
                              "(or make .venv with bash scripts/setup_env.sh)" >&2; exit 2; }
-    fix_python="--python PATH, a Python that has it (or --wheelhouse DIR: this project and its extras from a wheelhouse)"
+    fix_python="--python PATH naming a Python that has it, or --wheelhouse DIR (scripts/wheelhouse.sh) over the node's Python"
 fi
 declare -A node=()
 # one KEY=VALUE a line; DomainBed found as the tests find it (this checkout's domainbed_vasso)
@@ -150,7 +171,7 @@ if [ "$INSTALL_ONLY" = 0 ] && [ -n "${node[torch]:-}" ]; then
     fi
     if [ "${node[gpus]:-0}" = 0 ]; then
         if [ -n "$smi_gpus" ] && [ "$smi_gpus" != 0 ]; then
-            lack "a GPU that torch sees: nvidia-smi lists $smi_gpus, torch ${node[torch]} (CUDA build: ${node[cuda_build]:-none}) sees none; fix: a torch built for CUDA ($fix_python), and CUDA_VISIBLE_DEVICES unset or naming GPUs" fatal
+            lack "a GPU that torch sees: nvidia-smi lists $smi_gpus, torch ${node[torch]} (CUDA build: ${node[cuda_build]:-none}) sees none; fix: CUDA_VISIBLE_DEVICES unset or naming GPUs, and a CUDA build of torch: $fix_python" fatal
         else
             lack "an NVIDIA GPU: no NVIDIA GPU found (nvidia-smi -L ${smi_gpus:+lists none}${smi_gpus:-is not there}, torch sees none): this command is for a machine with GPUs; the CPU suite is 'bash scripts/test.sh -ra', and --install-only sets the venv up without a GPU" fatal
         fi
@@ -160,11 +181,12 @@ if [ "$INSTALL_ONLY" = 0 ] && [ -n "${node[torch]:-}" ]; then
     if [ -z "${node[torchvision]:-}" ]; then
         lack "torchvision (${node[torchvision_error]:-}): part 4 benchmarks the transformer alone (resnet50 needs it)${node[domainbed]:+, and DomainBed, which imports it, is left out}; fix: pip install into $BASE the torchvision built for torch ${node[torch]} (offline: its wheel from download.pytorch.org)"
         if [ -n "${node[domainbed]:-}" ]; then
-            unset DOMAINBED_ROOT; export DOMAINBED_VASSO_BESIDE=0  # its self-test row skips, saying so
+            unset DOMAINBED_ROOT; export DOMAINBED_VASSO_BESIDE=0  # its self-test rows skip, saying so
             node[domainbed]=""
         fi
-    elif [ -z "${node[domainbed]:-}" ]; then
-        lack "DomainBed (${node[domainbed_error]:-not found}): its self-test rows skip; fix: export DOMAINBED_ROOT=/path/to/DomainBed (a checkout at b93c22a, docs/domainbed.md)"
+    fi
+    if [ -z "${node[domainbed]:-}" ] && [ -n "${node[domainbed_error]:-}" ]; then
+        lack "DomainBed (${node[domainbed_error]}): its self-test rows skip; fix: export DOMAINBED_ROOT=/path/to/DomainBed (a checkout at b93c22a, docs/domainbed.md)"
     fi
 fi
 if [ -n "${node[torch]:-}" ]; then

@@ -187,6 +187,7 @@ def test_the_offline_install_takes_every_package_from_the_wheelhouse_and_runs_a_
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     assert "(no index, no network, no pip configuration)" in out
+    assert "what this node lacks" not in out  # --install-only: no GPU, nvidia-smi, torchvision or DomainBed asked for
     pins = wheelhouse.joinpath("requirements.txt").read_text().split()
     listed = out.split("installed from the wheelhouse into")[1].split("[test_gpu")[0]
     assert f"({len(pins)} packages, each imported from there)" in listed, out[-3000:]
