@@ -117,6 +117,11 @@ def found(name):
 
 print(f"python={sys.version_info[0]}.{sys.version_info[1]}")
 print(f"prefix={sys.prefix}")
+try:  # the installed torch's version, the same with --install-only and without (the venv's stamp)
+    import importlib.metadata
+    print(f"torch_dist={importlib.metadata.version('torch')}")
+except Exception:
+    pass
 for name in ("ensurepip", "pip", "fairseq"):
     print(f"{name}={int(found(name))}")
 if sys.argv[1] == "1":  # --install-only: found, and its version, without the seconds of an import
@@ -208,7 +213,7 @@ fi
 if [ -n "$WHEELHOUSE" ]; then
     VENV=${VENV:-.venv-gpu}
     case "$VENV" in /*) venv_path=$VENV ;; *) venv_path=$PWD/$VENV ;; esac
-    stamp=$( (cat "$WHEELHOUSE/requirements.txt"; ls "$WHEELHOUSE"; echo "${node[prefix]} ${node[torch]}") \
+    stamp=$( (cat "$WHEELHOUSE/requirements.txt"; ls "$WHEELHOUSE"; echo "${node[prefix]} ${node[torch_dist]:-}") \
              | sha256sum | cut -c1-16)
     if [ "$(cat "$VENV/.wheelhouse-stamp" 2>/dev/null)" = "$stamp" ] && [ -x "$VENV/bin/python" ]; then
         stage "$VENV: installed from this wheelhouse over $BASE already"
