@@ -225,13 +225,23 @@ COMMANDS = classified(
     ("bash scripts/test_gpu.sh", check_only(
         "needs GPUs (without one it refuses, saying so): the script parses",
         check="bash -n scripts/test_gpu.sh")),
-    ("bash scripts/test_gpu.sh --wheelhouse /tmp/vasso-wheels", check_only(
+    ("PYTHON=/path/to/the/nodes/python3 bash scripts/test_gpu.sh --wheelhouse /tmp/vasso-wheels --install-only",
+     check_only("needs a wheelhouse and the node's Python (tests/scripts/test_gpu_offline_install.py rehearses "
+                "it with one it builds): its usage names the flags",
+                check="bash scripts/test_gpu.sh --help", expect=("--install-only", "PYTHON", "--wheelhouse"))),
+    ("PYTHON=/path/to/the/nodes/python3 bash scripts/test_gpu.sh --wheelhouse /tmp/vasso-wheels", check_only(
         "needs GPUs and a wheelhouse (without a GPU it refuses, saying so): its usage names the flags",
         check="bash scripts/test_gpu.sh --help", expect=("--wheelhouse", "--python PATH"))),
-    ("bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.12 --platform manylinux_2_28_x86_64 "
-     "--torch 2.11.0", check_only(
-        "minutes of downloads and a fairseq build for another Python: its usage names the flags",
-        check="bash scripts/wheelhouse.sh --help", expect=("--python-version", "--platform", "--torch"))),
+    ("PYTHON=/path/to/python3.12 bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.12 "
+     "--platform manylinux_2_28_x86_64 --torch 2.11.0", check_only(
+        "minutes of downloads and a fairseq build for another Python (tests/scripts/test_wheelhouse_refusals.py "
+        "runs its checks): its usage names the flags",
+        check="bash scripts/wheelhouse.sh --help", expect=("--python-version", "--platform", "--torch", "PYTHON"))),
+    ("PYTHON=/path/to/the/nodes/python3 bash scripts/test_gpu.sh --node-platform", substitute(
+        "this environment's Python stands for the node's",
+        replace={"/path/to/the/nodes/python3": ".venv/bin/python"},
+        expect=("bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.", "--platform manylinux_2_",
+                "--torch "))),
 
     # ---- docs/design.md
     ("python: rng = plugins.rng_state()", substitute(
