@@ -5,10 +5,11 @@ On a GPU each step's verdict (0 taken, 1 a non-finite second pass, 2 a non-finit
 is copied to pinned host memory and an event recorded behind the copy; the host reads it once
 the event has passed, a step or more later, or waits for it where it must (``nonfinite_steps``,
 ``state_dict()``, ``load_state_dict()``, a copy).  On the CPU a verdict is there at once.
-:class:`PendingEvents` puts the GPU's timing back: ``Verdicts.send``'s CPU branch runs as it
-is, then its entry gets, as the CUDA branch's does, a host copy and an event; the copy reads 0
-(taken: what pinned memory may hold before the copy lands) until the test lets the event pass
-or the optimizer waits on it, so that a verdict read too early is a skipped step missed.
+:class:`PendingEvents` puts the GPU's timing back: every verdict takes the CUDA branch's way,
+through a host slot and an event (a stand-in for :class:`plugins.ondevice.HostCopy`); the slot
+reads 0 (taken: what reused pinned memory may hold before the copy lands) until the test lets
+the event pass or the optimizer waits on it, so that a verdict read too early is a skipped step
+missed.
 """
 
 import contextlib
@@ -54,18 +55,38 @@ class PendingEvents:
         __reduce_ex__ = __deepcopy__
 
     def install(self, monkeypatch):
+        """Every verdict travels (``Verdicts.travels``) through a stand-in for
+        :class:`plugins.ondevice.HostCopy` whose event passes when the test says so."""
+        owner = self
         real_send = ondevice.Verdicts.send
 
         def send(verdicts, step, verdict, scaled=False):
+            owner.step = step + 1
             real_send(verdicts, step, verdict, scaled)
-            sent_step, here, event, sent_scaled = verdicts._queue[-1]
-            assert event is None and here is verdict  # the CPU's branch: read at once
-            stale = torch.zeros_like(verdict)  # what the pinned memory holds until the copy lands
-            event = self.Event(self, sent_step + 1, stale, verdict.clone())
-            self.events.append(event)
-            verdicts._queue[-1] = (sent_step, stale, event, sent_scaled)
+
+        class HostCopy:
+            def __init__(self, like):
+                self.host, self.event = torch.empty((), dtype=like.dtype), None
+
+            def start(self, verdict):
+                self.host.zero_()  # what the (reused) pinned memory reads until the copy lands
+                self.event = owner.Event(owner, owner.step, self.host, verdict.clone())
+                owner.events.append(self.event)
+
+            def arrived(self):
+                return self.event.query()
+
+            def wait(self):
+                self.event.synchronize()
+
+            def __deepcopy__(self, memo):
+                raise TypeError("a CUDA event cannot be copied")  # as torch.cuda.Event
+
+            __reduce_ex__ = __deepcopy__
 
         monkeypatch.setattr(ondevice.Verdicts, "send", send)
+        monkeypatch.setattr(ondevice.Verdicts, "travels", staticmethod(lambda verdict: True))
+        monkeypatch.setattr(ondevice, "HostCopy", HostCopy)
         return self
 
     def arrive(self, through=None):

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugins import SAM, VASSO, ondevice, reductions
 from core_helpers import build, closure_for, make_batches, make_model
+from gpu_numerics import WITHIN_TOLERANCE, comparing
 
 
 class Recorded(TorchDispatchMode):
@@ -203,10 +204,9 @@ def test_the_verdicts_reuse_their_host_slots(monkeypatch):
     assert copy.deepcopy(opt)._verdicts._free == []
 
 
-@pytest.mark.gpu
+@pytest.mark.two_gpus  # on one GPU: reported as not run, with the reason (tests/helpers/gpu_marker.py)
+@comparing(WITHIN_TOLERANCE)
 def test_a_model_split_over_two_gpus_steps_as_on_one():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices")
     results = []
     for devices in (("cuda:0", "cuda:0"), ("cuda:0", "cuda:1")):
         torch.manual_seed(0)
