@@ -9,28 +9,14 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugins import SAM, VASSO
 from plugins.perturbation import rng_state
-from core_helpers import (backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on,
+from core_helpers import (Dispatched, backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on,
                           make_batches, make_model)
 from gpu_numerics import BIT_FOR_BIT, WITHIN_TOLERANCE, comparing
 
 DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap", "nonfinite", "rho")
-
-
-class Dispatched(TorchDispatchMode):
-    """Records each dispatched op whose name (its overload packet's) is one of ``names``."""
-
-    def __init__(self, *names: str):
-        super().__init__()
-        self.names, self.seen = names, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.names:
-            self.seen.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def train(kind, path, steps=8, base=torch.optim.SGD, model=None, **kw):

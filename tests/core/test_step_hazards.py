@@ -16,24 +16,10 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugins import SAM, VASSO, ondevice, reductions
-from core_helpers import build, closure_for, make_batches, make_model
+from core_helpers import Dispatched, build, closure_for, make_batches, make_model
 from gpu_numerics import WITHIN_TOLERANCE, comparing
-
-
-class Recorded(TorchDispatchMode):
-    """Records ``(op name, args)`` of each dispatched op whose name is one of ``names``."""
-
-    def __init__(self, *names: str):
-        super().__init__()
-        self.names, self.seen = names, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.names:
-            self.seen.append((func.overloadpacket.__name__, args))
-        return func(*args, **(kwargs or {}))
 
 
 def warm(kind, steps=2, base=torch.optim.SGD, **kw):
@@ -50,9 +36,9 @@ def warm(kind, steps=2, base=torch.optim.SGD, **kw):
 def test_gsams_factor_multiplies_the_gradients_in_their_own_dtype(kind):
     model, opt = warm(kind)
     x, y = make_batches(3, seed=5)[2]
-    with Recorded("_foreach_mul_", "_foreach_mul") as rec:
+    with Dispatched("_foreach_mul_", "_foreach_mul") as rec:
         opt.step(closure_for(opt, model, x, y))
-    scalars = [a[1] for _, a in rec.seen if torch.is_tensor(a[1])]
+    scalars = [a[1] for _, a in rec.calls if torch.is_tensor(a[1])]
     assert scalars, "GSAM's correction made no foreach product with a tensor scalar"
     assert {s.dtype for s in scalars} == {torch.float32}, [s.dtype for s in scalars]
 
@@ -61,9 +47,9 @@ def test_long_dot_and_norm_take_pieces_below_the_chunk(monkeypatch):
     monkeypatch.setattr(reductions, "LONG_CHUNK", 10)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(55, generator=g), torch.randn(55, generator=g)  # 6 pieces
-    with Recorded("dot", "linalg_vector_norm") as rec:
+    with Dispatched("dot", "linalg_vector_norm") as rec:
         dot, norm = reductions.long_dot(x, y), reductions.long_norm(x)
-    assert len(rec.seen) == 6 + 7 and max(a[0].numel() for _, a in rec.seen) <= 10
+    assert len(rec.calls) == 6 + 7 and max(a[0].numel() for _, a in rec.calls) <= 10
     assert dot.item() == pytest.approx(torch.dot(x.double(), y.double()).item(), abs=1e-5)
     assert norm.item() == pytest.approx(x.double().norm().item(), rel=1e-6)
     short = torch.randn(10, generator=g)  # up to the chunk: one kernel, torch's own rounding
@@ -79,10 +65,10 @@ def test_the_device_step_reduces_its_flat_buffers_in_pieces(kind, monkeypatch):
         monkeypatch.setattr(reductions, "LONG_CHUNK", chunk)
         model, opt = warm(kind)
         x, y = make_batches(3, seed=5)[2]
-        with Recorded("dot", "linalg_vector_norm") as rec:
+        with Dispatched("dot", "linalg_vector_norm") as rec:
             opt.step(closure_for(opt, model, x, y))
         results.append((torch.cat([q.detach().reshape(-1) for q in model.parameters()]), opt.diagnostics["stability"]))
-    assert max(a[0].numel() for _, a in rec.seen) <= 13
+    assert max(a[0].numel() for _, a in rec.calls) <= 13
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     assert results[1][1] == pytest.approx(results[0][1], rel=1e-4, nan_ok=True)
 
@@ -98,11 +84,11 @@ def test_the_finiteness_check_of_h_leaves_the_gradients_unwritten(kind):
     with opt.second_pass(model):
         torch.nn.functional.cross_entropy(model(x), y).backward()
     versions = [q.grad._version for q in model.parameters()]
-    with Recorded("_amp_foreach_non_finite_check_and_unscale_") as rec:
+    with Dispatched("_amp_foreach_non_finite_check_and_unscale_") as rec:
         opt.descend()
     assert [q.grad._version for q in model.parameters()] == versions
     grads = {q.grad.data_ptr() for q in model.parameters()}
-    assert rec.seen and not any(t.data_ptr() in grads for _, args in rec.seen for t in args[0])
+    assert rec.calls and not any(t.data_ptr() in grads for _, args in rec.calls for t in args[0])
 
 
 def _bases():
