@@ -209,3 +209,22 @@ def test_a_model_split_over_two_gpus_steps_as_on_one():
             opt.step(closure)
         results.append(torch.cat([q.detach().reshape(-1).cpu() for q in params]))
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("torch_has_the_check", [True, False])
+def test_the_finiteness_check_finds_a_non_finite_element(torch_has_the_check, monkeypatch):
+    if not torch_has_the_check:  # as on the CPU before torch 2.3: the fallback from the norms
+        def missing(*args):
+            raise NotImplementedError("_amp_foreach_non_finite_check_and_unscale_ on the CPU")
+        monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", missing)
+    one = torch.ones(())
+    for bad, expected in [(None, 0.0), (math.inf, 1.0), (-math.inf, 1.0), (math.nan, 1.0)]:
+        tensors = [torch.ones(3), torch.zeros(2, 2)]
+        if bad is not None:
+            tensors[1][1, 0] = bad
+        found_inf = torch.zeros(())
+        ondevice.check_finite_(tensors, found_inf, one)
+        assert found_inf.item() == expected, (bad, found_inf)
+    found_inf = torch.ones(())  # a verdict already given stays
+    ondevice.check_finite_([torch.ones(3)], found_inf, one)
+    assert found_inf.item() == 1.0
