@@ -111,7 +111,7 @@ def readers_namespace():
 
 def reference(model, opt, batches, loss_of, *, replay=True, freeze_bn=True, scaler=None, clip=None,
               scheduler=None, autocast=None):
-    """The host protocol of docs/design.md, section 3, step by step."""
+    """The host protocol of docs/torch.md ("Two ways to take a step"), step by step."""
     cast = (lambda: torch.autocast(autocast, dtype=torch.float16)) if autocast else contextlib.nullcontext
     scale = scaler.scale if scaler is not None else (lambda loss: loss)
     for batch in batches:
