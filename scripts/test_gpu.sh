@@ -19,7 +19,7 @@
 #   3. tests/selftest's tests of the self-test, reading part 1's report (not running it again);
 #   4. the device benchmark, `python scripts/benchmark.py --device cuda --quick --adamw fused
 #      --steps-per-round 3 --seconds 45` (about 2 minutes; fused AdamW everywhere: the base that takes
-#      torch's found_inf, so that the family's steps run without a host sync, docs/design.md section 7;
+#      torch's found_inf, so that the family's steps run without a host sync, docs/design.md, "Where a step is decided";
 #      3 steps per round: one step's ratio spread +-5-10 % on an H100, too wide for the 1.02/1.03 goals;
 #      30 rounds at least, more while 45 s per model last: more rounds narrow the verdicts' intervals;
 #      the step-cost verdicts where the spread allows one; REFERENCE_VASSO=DIR and REFERENCE_SAM=DIR,

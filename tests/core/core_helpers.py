@@ -125,7 +125,7 @@ def decided_on_device(kind: str, dtype=torch.float32) -> bool:
 
 
 def expected_syncs(kind: str, coins, dtype=torch.float32, fused: bool = False):
-    """Host syncs of each step, for the coins drawn (``docs/design.md``, section 7): the host
+    """Host syncs of each step, for the coins drawn (``docs/design.md``, "Where a step is decided"): the host
     path reads once in perturb() and once in descend() (once in all when the coin skips);
     a step decided on the device reads only the base optimizer's verdict (1), or nothing
     where the base takes torch's ``found_inf`` (``fused``: 0), with a GradScaler or without.

@@ -1,4 +1,4 @@
-"""Steps decided on the device (plugins/ondevice.py, docs/design.md section 7) against the
+"""Steps decided on the device (plugins/ondevice.py, docs/design.md, "Where a step is decided") against the
 host path they replace: the same training up to float rounding, the same diagnostics, a
 non-finite h_t skipped on the device with its warning arriving, and the layouts users have
 (channels_last, a state dict saved and loaded mid-run, a parameter joining later)."""
