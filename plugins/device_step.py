@@ -1,6 +1,6 @@
 """The step decided on the device: :meth:`plugins.SharpnessAware.perturb`'s and
 :meth:`~plugins.SharpnessAware.descend`'s phases with no host read (``docs/design.md``,
-section 7).
+"Where a step is decided").
 
 :meth:`~plugins.SharpnessAware.perturb` hands a step here when :func:`decides` says its
 configuration allows it; the rule is then :func:`rule`, the paper's rule as

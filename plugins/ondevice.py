@@ -4,7 +4,7 @@ A GPU runs ahead of the Python that feeds it; every read of a device value on th
 (``.item()``, ``float()``, ``if tensor:``) makes the host wait until the GPU has drained
 its queue.  The step's decisions are therefore taken on the device where the
 configuration allows it (:func:`plugins.device_step.decides`,
-``docs/design.md``, section 7): the finiteness of ``g_t`` and ``h_t`` is a 0-dim device
+``docs/design.md``, "Where a step is decided"): the finiteness of ``g_t`` and ``h_t`` is a 0-dim device
 bool, a non-finite ``g_t`` is replaced by ``d_{t-1}`` (SAM: the kept slope) before it is
 used, the ascent's scale is 0 then, and the base optimizer is handed the verdict as
 torch's ``found_inf`` (fused Adam/AdamW/SGD skip on the device; any other base costs one

@@ -1,6 +1,6 @@
 """The sharpness-aware optimizer family as one wrapper over any torch optimizer.
 
-One class, four independent choices (``docs/design.md``, section 1):
+One class, four independent choices (``docs/design.md``, "One step, equation by equation"):
 
 =============  ===================================  ===============================
 choice         knob                                 members
@@ -145,7 +145,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     ``opt.step(closure, model=model)`` also keeps ``model``'s BatchNorm running
     statistics from the first pass only.  Or, for loops that own their forward and
-    backward (fairseq, DomainBed), the host protocol (``docs/design.md``, section 3)::
+    backward (fairseq, DomainBed), the host protocol (``docs/design.md``, "The host protocol")::
 
         >>> from plugins.perturbation import rng_state
         >>> rng = rng_state()
@@ -164,7 +164,7 @@ class SharpnessAware(torch.optim.Optimizer):
     turns its device values into floats when first read (:class:`Diagnostics`).
 
     Distributed, the step is the one-process step on the whole batch, on every rank
-    (``docs/design.md``, section 7): under DDP nothing changes; under FSDP2 the
+    (``docs/design.md``, "Where a step is decided"): under DDP nothing changes; under FSDP2 the
     parameters are DTensors and each rank computes on its shard, with one
     ``all_reduce`` of a few floats per decision; under ZeRO / OSS pass
     ``partition_group``.  There the wrapper's ``step()`` calls this one, so the closure
@@ -531,7 +531,7 @@ class SharpnessAware(torch.optim.Optimizer):
         return self.track_stability and not self.adaptive and (self.theta is None or self.p >= 1.0)
 
     def _first_pass_sums(self, step: StepInFlight) -> Dict[str, float]:
-        """The step's one reduction and host read (``docs/design.md``, section 7): ``grad``
+        """The step's one reduction and host read (``docs/design.md``, "Where a step is decided"): ``grad``
         ``||g_t||`` (finiteness, SAM's ``||v_t||``); ``grad_dot_last`` ``<g_t, v_last>`` for
         the scalar stability (SAM: g of the last ascent; VASSO: d_{t-1}); ``slope``
         VASSO's ``||d_t||`` from ``d_{t-1}`` and ``g_t`` before ``d_t`` is written (the

@@ -1,6 +1,6 @@
 """The math of one sharpness-aware step, as small functions over lists of tensors.
 
-Every formula of the step (``docs/design.md``, section 1) is written here once: the
+Every formula of the step (``docs/design.md``, "One step, equation by equation") is written here once: the
 moving average ``d_t`` (:func:`moving_average`, the one writer of its values), the ascent
 and its undo (:func:`ascend_`, :func:`descend_from_ascent_`), ASAM's ``T``
 (:func:`adaptive_scale`), GSAM's correction, the rho schedule, the coin, the stability
