@@ -110,52 +110,56 @@ def perturb(opt, step: StepInFlight) -> bool:
 
 def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
                                           Optional[Tuple[torch.Tensor, torch.Tensor]]]:
-    """The paper's rule as :meth:`~plugins.SharpnessAware._rule` states it, with its one
-    decision on the device: the slope buffer takes ``v_t`` in place, and where ``g_t`` was
-    not finite one ``torch.where`` puts ``v_{t-1}`` back before anything uses it, so that
-    ``d_t = d_{t-1}`` and the ascent's scale is 0.  Returns, on the device, ``g_t``'s
-    finiteness, ``||v_t||``, the stability's inner product (``<v_t, v_{t-1}>``, or with the
-    previous ascent ``eps_last``: ``<v_t, eps_last>``, ASAM's ``<eps_t / rho, eps_last>``)
-    and ASAM's ``(||T v_t||, ||eps_t||)``."""
-    lists, theta = step.lists, opt.theta
+    """The paper's rule (:func:`plugins.perturbation.rule_`) with its one decision on the
+    device: the slope buffer takes ``v_t`` in place, and where ``g_t`` was not finite one
+    ``torch.where`` puts ``v_{t-1}`` back before anything uses it, so that ``d_t = d_{t-1}``
+    and the ascent's scale is 0.  Returns, on the device, ``g_t``'s finiteness, ``||v_t||``,
+    the stability's inner product (``<v_t, v_{t-1}>``, or with the previous ascent
+    ``eps_last``: ``<v_t, eps_last>``, ASAM's ``<eps_t / rho, eps_last>``) and ASAM's
+    ``(||T v_t||, ||eps_t||)``."""
+    lists = step.lists
     v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
-    if theta is None and not step.two_pass:             # SAM's slope keeps the last ascent's g: only check g_t
+    if opt.theta is None and not step.two_pass:         # SAM's slope keeps the last ascent's g: only check g_t
         return ondevice.total_norm(step.grads) < math.inf, None, None, None
     grads = step.grads
     if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
         grads = scaling.unscale(grads, step.loss_scale, in_place=False)
+    out = {"inner": None, "ascent": None}
     with v.scratch() as (previous, pieces):             # v_{t-1}, for a non-finite g_t (freed on leaving)
         previous.copy_(v.flat)
-        if theta is not None:
-            P.moving_average(v.views, grads, theta, in_place=True)  # eq. (5a): d_t
-        else:
-            torch._foreach_copy_(v.views, step.grads)   # SAM: v_t = g_t
-        slope_norm = long_norm(v.flat)                  # ||v_t||: finite iff g_t is (v_{t-1} is)
-        finite = slope_norm < math.inf
-        torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
-        if not step.two_pass:
-            return finite, None, None, None
-        inner = ascent = None
-        if opt._scalar_stability():
-            inner = long_dot(v.flat, previous)          # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
-        opt._keep_for_descent(step, v.views)           # x_t for an exact restore (ASAM's), g_t for GSAM
-        if opt.adaptive:  # into v_{t-1}'s copy (used up): T^2 v_t / ||T v_t||, 0 if not finite
-            scaled_norm, unit = _adaptive_direction(opt, lists, v, previous, pieces, finite)
-            ascent = (scaled_norm, long_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
-        else:
-            unit = P.unit_scale(slope_norm)             # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
-            # v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
-            torch.mul(v.flat, unit, out=previous)
-        P.move_(lists.storage_params, pieces, step.rho)  # x_t + eps_t
-        if buffered_stability(opt):  # eVASSO, ASAM: the previous ascent eps_last, kept flat
-            kept = lists.flat_previous_ascent
-            # the stability's inner product: ASAM's <eps_t / rho, eps_last>, else <v_t, eps_last>
-            inner = long_dot(previous if opt.adaptive else v.flat, kept.flat)
-            # eps_t = rho * that product is the next previous ascent, where g_t was finite
-            torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
+
+        def norm() -> torch.Tensor:                     # ||v_t||: finite iff g_t is (v_{t-1} is)
+            out["norm"] = slope_norm = long_norm(v.flat)
+            out["finite"] = finite = slope_norm < math.inf
+            torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
+            return slope_norm
+
+        def ascend(slope_norm: torch.Tensor) -> torch.Tensor:  # x_t + eps_t, through v_{t-1}'s copy (used up)
+            finite = out["finite"]
+            if opt._scalar_stability():
+                out["inner"] = long_dot(v.flat, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
+            opt._keep_for_descent(step, v.views)       # x_t for an exact restore (ASAM's), g_t for GSAM
+            if opt.adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite
+                scaled_norm, unit = _adaptive_direction(opt, lists, v, previous, pieces, finite)
+                out["ascent"] = (scaled_norm, long_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
+            else:  # v_t / ||v_t|| in one kernel over the flat buffer, 0 if not finite; rho rides along below
+                unit = P.ascent_scale(1.0, slope_norm)
+                torch.mul(v.flat, unit, out=previous)
+            P.move_(lists.storage_params, pieces, step.rho)  # x_t + eps_t
+            if buffered_stability(opt):  # eVASSO, ASAM: the previous ascent eps_last, kept flat
+                kept = lists.flat_previous_ascent
+                # the stability's inner product: ASAM's <eps_t / rho, eps_last>, else <v_t, eps_last>
+                out["inner"] = long_dot(previous if opt.adaptive else v.flat, kept.flat)
+                # eps_t = rho * that product is the next previous ascent, where g_t was finite
+                torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
+            return unit
+
+        slope_norm, unit = P.rule_(v.views, grads, opt.theta, norm, ascend if step.two_pass else None)
+    if not step.two_pass:
+        return out["finite"], None, None, None
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
     P.moved_parameters()
-    return finite, slope_norm, inner, ascent
+    return out["finite"], slope_norm, out["inner"], out["ascent"]
 
 
 def _adaptive_direction(opt, lists: StepLists, v: ondevice.Flat, into: torch.Tensor, pieces, finite):
@@ -172,25 +176,23 @@ def _adaptive_direction(opt, lists: StepLists, v: ondevice.Flat, into: torch.Ten
         torch._foreach_add_(plain, 1.0)
     scaled = torch.mul(v.flat, into)                    # T v_t (a model-sized temporary, freed on return)
     scaled_norm = long_norm(scaled)
-    unit = torch.where(finite, P.unit_scale(scaled_norm), 0.0)  # a non-finite g_t moves nothing
+    unit = torch.where(finite, P.ascent_scale(1.0, scaled_norm), 0.0)  # a non-finite g_t moves nothing
     into.mul_(scaled).mul_(unit)                        # T (T v_t) / ||T v_t||
     return scaled_norm, unit
 
 
 def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner, ascent) -> None:
     """The step's diagnostics as :meth:`~plugins.SharpnessAware._diagnose` gives them,
-    computed only when read (:meth:`plugins.diagnostics.Diagnostics.later`); the last
-    applied ascent is kept on the device for the next step's stability
-    (:meth:`~plugins.SharpnessAware._last_ascent`: ``[s, ||v||]``, ASAM's ``[rho, ||v||, ||eps||]``)."""
+    computed only when read (:meth:`plugins.diagnostics.Diagnostics.later`); the applied
+    ascent becomes the optimizer's last one (``[rho, ||v||]``, ASAM's ``[rho, ||v||, ||eps||]``,
+    :func:`plugins.perturbation.last_ascent_norm`), on the device, for the next step's stability."""
     rho, finite, unit = step.rho, step.finite, step.scale
     stability = opt.track_stability and inner is not None
     buffered = buffered_stability(opt)  # inner is <v_t, eps_last> (ASAM's <eps_t / rho, eps_last>), else <v_t, v_{t-1}>
-    last = opt._last_ascent(unit) if opt.track_stability else None
-    if opt.track_stability and ascent is not None:
-        opt._last = torch.where(finite, torch.stack([torch.full_like(unit, rho), slope_norm.to(unit.dtype),
-                                                     ascent[1].to(unit.dtype)]), last)
-    elif opt.track_stability:  # s = rho / ||v||: the next step's previous ascent
-        opt._last = torch.where(finite, torch.stack([unit * rho, slope_norm.to(unit.dtype)]), last)
+    last = opt._last_ascent(slope_norm) if opt.track_stability else None
+    if opt.track_stability:
+        values = [torch.full_like(slope_norm, rho), slope_norm] + ([ascent[1]] if ascent is not None else [])
+        opt._last = torch.where(finite, torch.stack(values), last)
 
     def compute() -> torch.Tensor:
         norm = slope_norm.double()
@@ -200,14 +202,11 @@ def _diagnose(opt, step: StepInFlight, slope_norm: torch.Tensor, inner, ascent) 
         else:
             ascent_norm, sharpness = P.plain_ascent_norm(rho, norm), P.estimated_sharpness(rho, norm)
         value = nan
-        if stability:
-            previous = last.double()  # [s, ||v||], ASAM's [rho, ||v||, ||eps||]
-            last_norm = previous[2] if ascent is not None else previous[0] * previous[1]
-            if buffered:  # ||eps_t - eps_last|| from <eps_t, eps_last>
-                inner_ascents = (rho if ascent is not None else unit.double() * rho) * inner.double()
-                value = P.distance_between_ascents(ascent_norm, last_norm, inner_ascents)
-            else:
-                value = P.plain_stability(unit.double() * rho, previous[0], inner.double(), ascent_norm, last_norm)
+        if stability and buffered:  # <eps_t, eps_last> from the buffered previous ascent
+            inner_ascents = (rho if ascent is not None else unit.double() * rho) * inner.double()
+            value = P.stability(ascent_norm, last.double(), inner_ascents)
+        elif stability:  # from the slope buffer's v_{t-1}
+            value = P.stability(ascent_norm, last.double(), inner.double(), scale=unit.double() * rho)
         taken = torch.stack([torch.ones_like(norm), ascent_norm, sharpness, value, torch.zeros_like(norm)])
         skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
         return torch.where(finite, taken, skipped)

@@ -196,42 +196,41 @@ def of_ascent(step, rho: float, adaptive: bool, scaled_slope_norm, deferred: Opt
     if deferred is None:
         return reductions.global_norm(step.eps, lists.plan, lists.layout), sharpness
 
-    def finish(value, diag, previous):
-        previous["ascent_norm"] = diag["ascent_norm"] = root(value)
+    def finish(value, diag, last):
+        diag["ascent_norm"] = root(value)
+        if last is not None:  # the step's record of its ascent (plugins.perturbation.last_ascent_norm)
+            last[2:].fill_(diag["ascent_norm"])
     deferred.add(reductions.Sums().norm("eps", step.eps).local(lists.plan, lists.layout), finish)
     return _NAN, sharpness
 
 
-def stability(step, previous: Optional[Dict[str, float]], ascent_norm, *, theta: Optional[float],
+def stability(step, last: Optional[torch.Tensor], ascent_norm, *, theta: Optional[float],
               inner_previous=None, kept: Optional[List[torch.Tensor]] = None, deferred: Optional[Deferred] = None):
-    """``||eps_t - eps_{t-1}||`` (NaN on the first ascent).  ``kept`` None: from scalars,
+    """``||eps_t - eps_{t-1}||`` (:func:`plugins.perturbation.stability`; NaN on the first
+    ascent), ``last`` the optimizer's record of the last ascent.  ``kept`` None: from scalars,
     where the slope buffer still told ``<v_t, v_{t-1}>`` (``inner_previous`` is
     ``<g_t, v_{t-1}>``); else from ``kept``, the previous ascent, which then takes this
-    one.  A 0-dim device tensor (read lazily) where an inner product of buffers enters it;
-    where the sums cross ranks, finished by ``descend()``'s reduction (``deferred``)."""
+    one.  A 0-dim tensor (read lazily); where the sums cross ranks, finished by
+    ``descend()``'s reduction (``deferred``)."""
     eps, scale = step.eps, step.scale
     if kept is None:
-        if inner_previous is None:
+        if inner_previous is None or last is None:
             return _NAN
         if theta is not None:  # <d_t, d_{t-1}> from <g_t, d_{t-1}>
-            inner_previous = P.moving_average_inner(theta, previous["slope_norm"], inner_previous)
-        return P.plain_stability(scale, P.plain_ascent_scale(previous["rho"], previous["slope_norm"]),
-                                 inner_previous, ascent_norm, previous["ascent_norm"])
+            inner_previous = P.moving_average_inner(theta, last[1], inner_previous)
+        return P.stability(ascent_norm, last, inner_previous, scale=scale)
     lists = step.lists
     value = _NAN
-    if previous is not None:
+    if last is not None:
         now = eps if eps is not None else step.slopes
         factor = 1.0 if eps is not None else scale
         if deferred is not None:  # the inner product reduced in descend()
-            previous_norm = previous["ascent_norm"]
 
             def finish(inner, diag, current):
-                diag["stability"] = P.distance_between_ascents(current["ascent_norm"], previous_norm, factor * inner)
+                diag["stability"] = P.stability(P.last_ascent_norm(current), last, factor * inner)
             deferred.add(reductions.Sums().inner("now_dot_last", now, kept).local(lists.plan, lists.layout), finish)
         else:
-            inner = reductions.dot(now, kept, lists.plan, lists.layout)
-            value = P.distance_between_ascents(ascent_norm, previous["ascent_norm"],
-                                               inner if eps is not None else scale * inner)
+            value = P.stability(ascent_norm, last, factor * reductions.dot(now, kept, lists.plan, lists.layout))
     if eps is not None:
         if kept:
             torch._foreach_copy_(kept, eps)

@@ -249,7 +249,9 @@ class SharpnessAware(torch.optim.Optimizer):
         self.diagnostics: Diagnostics = diagnostics.empty()
         self._step = 0
         self._nonfinite_steps = 0
-        self._previous: Optional[Dict[str, float]] = None  # norms of the last applied ascent (host floats)
+        # the last applied ascent, for the next step's stability (None before the first): a tensor
+        # [rho, ||v||] (plain geometry), [rho, ||v||, ||eps||] (adaptive), see :meth:`_last_ascent`
+        self._last: Optional[torch.Tensor] = None
         self._verdicts = ondevice.Verdicts()  # steps decided on the device, on their way to the host
         self._scratch: Dict[torch.Tensor, Dict[str, torch.Tensor]] = defaultdict(dict)
         self._pending: Optional[StepInFlight] = None  # the step between perturb() and descend()
@@ -265,45 +267,25 @@ class SharpnessAware(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ plumbing
 
-    # The last applied ascent's ``rho``, ``||v||`` and ``||eps||`` (the stability's previous
-    # ascent; None before the first): host floats, or, after steps decided on the device, a
-    # device vector (``_last``: ``[s, ||v||]`` with ``s = rho / ||v||``, adaptive geometry's
-    # ``[rho, ||v||, ||eps||]``) read back here when the host asks.
-    @property
-    def _previous(self) -> Optional[Dict[str, float]]:
-        last = self.__dict__.get("_last")
-        if last is not None:
-            values = last.tolist()
-            rho, norm, ascent = values if len(values) == 3 else (values[0] * values[1], values[1],
-                                                                 values[0] * values[1])
-            self._previous_host = None if math.isnan(rho) else {"rho": rho, "slope_norm": norm,
-                                                                "ascent_norm": ascent}
-            self._last = None
-        return self._previous_host
-
-    @_previous.setter
-    def _previous(self, value: Optional[Dict[str, float]]) -> None:
-        self._previous_host = value
-        self._last = None
-
     def _last_ascent(self, like: torch.Tensor) -> torch.Tensor:
-        """``[s, ||v||]`` of the last applied ascent on ``like``'s device, adaptive geometry's
-        ``[rho, ||v||, ||eps||]`` (NaN: none yet)."""
-        if self._last is None:
-            previous = self._previous_host
-            if previous is None:
-                values = [_NAN] * (3 if self.adaptive else 2)
-            elif self.adaptive:
-                values = [previous["rho"], previous["slope_norm"], previous["ascent_norm"]]
-            else:
-                values = [P.plain_ascent_scale(previous["rho"], previous["slope_norm"]), previous["slope_norm"]]
-            # filled on the device: torch.tensor(..., device=cuda), or an item assigned a float, copies
-            # from pageable host memory, a host sync (torch's sync debug mode saw one on an H100); a
-            # value may be a 0-dim device tensor already (adaptive geometry's ||eps|| of the host path)
-            self._last = torch.empty(len(values), dtype=like.dtype, device=like.device)
-            for i, value in enumerate(values):
-                self._last[i:i + 1].fill_(value)
-        return self._last
+        """The last applied ascent (``[rho, ||v||]``, adaptive geometry's ``[rho, ||v||, ||eps||]``,
+        :func:`plugins.perturbation.last_ascent_norm`; NaN: none yet) on ``like``'s device, in its
+        dtype: made there (no tensor from host data, which would be a host sync on a GPU)."""
+        last = self._last
+        if last is None:
+            return torch.full((3 if self.adaptive else 2,), _NAN, dtype=like.dtype, device=like.device)
+        if last.device != like.device or last.dtype != like.dtype:
+            self._last = last = last.to(like.device, like.dtype)
+        return last
+
+    def _record_ascent(self, step: StepInFlight, ascent_norm) -> torch.Tensor:
+        """The host path's applied ascent as :meth:`_last_ascent` holds it (float64, on the
+        parameters' device, filled from the step's floats and 0-dim tensors)."""
+        values = [step.rho, step.slope_norm] + ([ascent_norm] if self.adaptive else [])
+        last = torch.empty(len(values), dtype=torch.float64, device=step.lists.layout.device)
+        for i, value in enumerate(values):
+            last[i:i + 1].fill_(value)
+        return last
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         param_group = normalize_param_group(param_group)
@@ -541,7 +523,7 @@ class SharpnessAware(torch.optim.Optimizer):
         lists, grads, previous, theta = step.lists, step.grads, step.previous_slopes, self.theta
         layout = lists.layout
         sums = Sums().norm("grad", grads)
-        if self._scalar_stability() and step.two_pass and self._previous is not None and previous is not None:
+        if self._scalar_stability() and step.two_pass and self._last is not None and previous is not None:
             slopes = lists.buffers.get("slope")  # (kept slopes: zeros stand in for the new ones' d_{t-1})
             sums.inner("grad_dot_last", grads, slopes if slopes is not None else
                        [torch.zeros_like(g) if d is g else d for g, d in zip(grads, previous)])
@@ -575,7 +557,8 @@ class SharpnessAware(torch.optim.Optimizer):
         """VASSO's ``d_t`` computed into scratch buffers before the step's sums (its norm
         rides along with them; under ``partition_group`` it is sent), from ``d_{t-1}``."""
         _copy_(into, step.previous_slopes)
-        return P.moving_average(into, step.grads, self.theta, in_place=True)
+        P.rule_(into, step.grads, self.theta, lambda: None)  # eq. (5a) alone: the ascent waits for the sums
+        return into
 
     def _directions(self, step: StepInFlight, directions: List[torch.Tensor]) -> None:
         """This rank's ascent directions, for the exchange: ``v_t`` (VASSO's ``d_t``
@@ -595,7 +578,7 @@ class SharpnessAware(torch.optim.Optimizer):
     def _previous_inner(self, step: StepInFlight, sums: Dict[str, float]):
         """``<g_t, v_last>`` for the scalar stability, from the sums or (a changed set of
         parameters with a gradient) from the kept slopes; None where not wanted."""
-        if not (self._scalar_stability() and step.two_pass and self._previous is not None):
+        if not (self._scalar_stability() and step.two_pass and self._last is not None):
             return None
         if "grad_dot_last" in sums:
             return sums["grad_dot_last"]
@@ -606,62 +589,59 @@ class SharpnessAware(torch.optim.Optimizer):
         return reductions.dot([g for g, _ in pairs], [v for _, v in pairs], layout=layout.unfiltered())
 
     def _rule(self, step: StepInFlight, sums: Dict[str, float]) -> None:
-        """The paper's rule, in its symbols (Alg. 1 and Alg. 2 of the paper)::
-
-            d_t = (1 - theta) d_{t-1} + theta g_t       eq. (5a); SAM: v_t = g_t; d_0 = g_0
-            eps_t = rho d_t / ||d_t||                   eq. (5b); SAM: eq. (3); ASAM: rho T^2 v_t / ||T v_t||
-            x_t <- x_t + eps_t                          only where the coin R_t = 1 (Alg. 2, line 6)
-
-        ``d_t`` is updated on the steps the coin skips too (Alg. 2, line 5); ``||d_t||``
-        came with the first pass's sums where it could (``sums["slope"]``)."""
-        if step.loss_scale is not None and not step.two_pass and self.theta is not None:
+        """The paper's rule (:func:`plugins.perturbation.rule_`, eqs. (5a)-(5b)) once ``g_t``
+        is known finite: ``||d_t||`` came with the first pass's sums where it could
+        (``sums["slope"]``); ``d_t`` is updated on the steps the coin skips too (Alg. 2)."""
+        if self.theta is None and not step.two_pass:
+            return  # SAM's slope keeps the last ascent's g_t
+        if step.loss_scale is not None and not step.two_pass:
             g = scaling.unscale(step.grads, step.loss_scale, in_place=False)  # .grad stays as the scaler left it
         else:
             g = step.grads
-        d_t, d_t_norm = self._write_slope(step, g, sums)     # eq. (5a); SAM: g_t
-        if not step.two_pass:
-            return
-        self._keep_for_descent(step, d_t)                      # x_t for an exact restore, g_t for GSAM
-        x_t, rho, lists = step.params, step.rho, step.lists
-        norm = sums.get("scaled_slope") if self.adaptive else d_t_norm  # ||d_t|| (ASAM: ||T d_t||)
-        step.eps, step.scale, tv_norm = P.ascend_(x_t, d_t, rho, norm, adaptive_mask=lists.mask, eta=self.eta,
-                                                  plan=lists.plan, layout=lists.layout)  # eq. (5b): x_t + eps_t
-        step.slopes, step.slope_norm, step.at_ascent = d_t, d_t_norm, True
-        if self.adaptive and "scaled_slope" not in sums:
-            sums["scaled_slope"] = tv_norm                     # ||T v_t||, reduced by the ascent
-        P.moved_parameters()
+        slopes, targets, sources, theta, fresh = self._slope_targets(step, g)
+        ascend = functools.partial(self._ascend, step, slopes, sums) if step.two_pass else None
+        P.rule_(targets, sources, theta, lambda: self._slope_norm(step, slopes, sums, fresh), ascend)
 
-    def _write_slope(self, step: StepInFlight, grads: List[torch.Tensor], sums: Dict[str, float]):
-        """The slope buffers after this step, and ``||v_t||`` (NaN where no ascent is built):
-        SAM's ``g_t`` (kept only on two-pass steps), or VASSO's ``d_t`` (every step), from
-        ``d_{t-1}`` (:func:`plugins.perturbation.moving_average`), or copied from where it
-        was computed ahead of the sums, or ``d_0 = g_0`` in new buffers."""
+    def _slope_targets(self, step: StepInFlight, grads: List[torch.Tensor]):
+        """Where eq. (5a) writes: ``(slope buffers, the buffers written, what enters them,
+        theta, fresh)``.  SAM's ``g_t`` and a ``d_t`` computed ahead of the sums are copied
+        in (theta None); new buffers start at ``d_0 = g_0`` and only the kept ones (``fresh``,
+        their indices) are averaged; else every buffer takes ``d_t`` from ``d_{t-1}``."""
         lists = step.lists
         slopes = lists.buffers.get("slope")
-        if self.theta is None:
-            if step.two_pass:
-                slopes = self._buffers(lists, "slope", grads) if slopes is None else slopes
-                _copy_(slopes, grads)
-            return slopes, sums["grad"]
-        fresh = None
-        if step.computed is not None:
+        if self.theta is None or step.computed is not None:
             slopes = self._buffers(lists, "slope", grads) if slopes is None else slopes
-            _copy_(slopes, step.computed)
-        elif slopes is None:  # new buffers start at d_0 = g_0; the kept ones are averaged
+            return slopes, slopes, grads if self.theta is None else step.computed, None, None
+        if slopes is None:
             new = {id(q) for q in lists.params if "slope" not in self._own_state.get(q, ())}
             slopes = self._buffers(lists, "slope", grads)
             fresh = [i for i, q in enumerate(lists.params) if id(q) not in new]
-            if fresh:
-                P.moving_average([slopes[i] for i in fresh], [grads[i] for i in fresh], self.theta, in_place=True)
-        else:
-            P.moving_average(slopes, grads, self.theta, in_place=True)
+            return slopes, [slopes[i] for i in fresh], [grads[i] for i in fresh], self.theta, fresh
+        return slopes, slopes, grads, self.theta, None
+
+    def _slope_norm(self, step: StepInFlight, slopes: List[torch.Tensor], sums: Dict[str, float], fresh) -> float:
+        """``||v_t||`` (NaN where no ascent is built): from the first pass's sums, or reduced now."""
+        if self.theta is None:
+            return sums["grad"]
         if not step.two_pass:
-            return slopes, _NAN  # a skipped step needs no ||d_t||
+            return _NAN  # a skipped step needs no ||d_t||
         if "slope" in sums:
-            return slopes, sums["slope"]
+            return sums["slope"]
         if fresh == []:  # every d_0 = g_0, copied exactly (in g's dtype): ||d_0|| = ||g_0||
-            return slopes, sums["grad"]
-        return slopes, float(reductions.global_norm(slopes, lists.plan, lists.layout))
+            return sums["grad"]
+        return float(reductions.global_norm(slopes, step.lists.plan, step.lists.layout))
+
+    def _ascend(self, step: StepInFlight, slopes: List[torch.Tensor], sums: Dict[str, float], d_t_norm) -> None:
+        """Eq. (5b) on the host path: ``x_t + eps_t`` in the step's geometry and layout."""
+        self._keep_for_descent(step, slopes)                   # x_t for an exact restore, g_t for GSAM
+        lists = step.lists
+        norm = sums.get("scaled_slope") if self.adaptive else d_t_norm  # ||d_t|| (ASAM: ||T d_t||)
+        step.eps, step.scale, tv_norm = P.ascend_(step.params, slopes, step.rho, norm, adaptive_mask=lists.mask,
+                                                  eta=self.eta, plan=lists.plan, layout=lists.layout)
+        step.slopes, step.slope_norm, step.at_ascent = slopes, d_t_norm, True
+        if self.adaptive and "scaled_slope" not in sums:
+            sums["scaled_slope"] = tv_norm                     # ||T v_t||, reduced by the ascent
+        P.moved_parameters()
 
     def _keep_for_descent(self, step: StepInFlight, slopes: List[torch.Tensor]) -> None:
         """What the second half needs of ``x_t``: ``g_t`` for GSAM's correction (SAM's slope
@@ -687,14 +667,15 @@ class SharpnessAware(torch.optim.Optimizer):
         deferred = Deferred() if step.lists.layout.collective else None
         ascent_norm, sharpness = diagnostics.of_ascent(step, rho, self.adaptive, sums.get("scaled_slope"), deferred)
         diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
+        last = None
         if self.track_stability:
             kept = None if self._scalar_stability() else self._buffers(step.lists, "previous_ascent", step.grads,
                                                                        zeros=True)
-            diag["stability"] = diagnostics.stability(step, self._previous, ascent_norm, theta=self.theta,
+            diag["stability"] = diagnostics.stability(step, self._last, ascent_norm, theta=self.theta,
                                                       inner_previous=inner_previous, kept=kept, deferred=deferred)
-        self._previous = {"rho": rho, "slope_norm": step.slope_norm, "ascent_norm": ascent_norm}
+            self._last = last = self._record_ascent(step, ascent_norm)
         if deferred:
-            step.deferred = (deferred, diag, self._previous)
+            step.deferred = (deferred, diag, last)
 
     def _exchange_leg(self, step: StepInFlight, sums: Dict[str, float]) -> None:
         """``partition_group``: move the other owners' parameters as they moved theirs,
@@ -1111,8 +1092,11 @@ class SharpnessAware(torch.optim.Optimizer):
         return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED and not k.startswith("_optimizer_")}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        if "_previous" in state:  # a plain attribute before the step decided on the device
-            state["_previous_host"] = state.pop("_previous")
+        for old in ("_previous", "_previous_host"):  # the last ascent as a dict of floats, before the tensor
+            previous = state.pop(old, None)
+            if previous and state.get("_last") is None:
+                state["_last"] = S.last_ascent([previous[k] for k in ("rho", "slope_norm", "ascent_norm")],
+                                               state["adaptive"])
         state.setdefault("_last", None)
         state.setdefault("_verdicts", ondevice.Verdicts())
         super().__setstate__(state)  # torch's: empty hooks, its step() profiling wrapper
@@ -1155,7 +1139,7 @@ class SharpnessAware(torch.optim.Optimizer):
         return S.base_optimizer_state(state_dict)
 
     def _counters(self) -> Dict[str, Any]:
-        return S.counters_dict(self._step, self.seed, self.nonfinite_steps, self._previous)
+        return S.counters_dict(self._step, self.seed, self.nonfinite_steps, self._last)
 
     def _set_counters(self, counters: Dict[str, Any]) -> None:
         S.set_counters(self, counters)

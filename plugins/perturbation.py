@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,9 +44,33 @@ def moving_average(averages: Tensors, grads: Tensors, theta: float, *, in_place:
     return [torch.lerp(d, g.to(d.dtype), weight) for d, g in zip(averages, grads)]
 
 
-def moving_average_inner(theta: float, previous_norm: float, grad_dot_previous: float) -> float:
+def moving_average_inner(theta: float, previous_norm, grad_dot_previous):
     """``<d_t, d_{t-1}>`` from scalars: ``(1 - theta) ||d_{t-1}||^2 + theta <g_t, d_{t-1}>``."""
     return (1.0 - theta) * previous_norm * previous_norm + theta * grad_dot_previous
+
+
+def rule_(slopes: Tensors, grads: Tensors, theta: Optional[float], norm: Callable[[], Any],
+          ascend: Optional[Callable[[Any], Any]] = None) -> Tuple[Any, Any]:
+    r"""The paper's rule (``../shared/paper/vasso.tex``, Alg. 1; Alg. 2 for ``p < 1``)::
+
+        d_t   = (1 - theta) d_{t-1} + theta g_t     eq. (5a)  (SAM, eq. (3): v_t = g_t)
+        eps_t = rho d_t / ||d_t||                   eq. (5b)  (:func:`ascent_scale`; ASAM: rho T^2 v_t / ||T v_t||)
+        x_t  <- x_t + eps_t                         where the coin R_t = 1 (Alg. 2, line 6)
+
+    ``slopes`` hold ``d_{t-1}`` and take ``d_t`` in place (:func:`moving_average`, the one
+    writer of its values); ``theta`` None copies ``grads`` in (SAM's ``g_t``, or a ``d_t``
+    computed ahead).  ``norm()`` gives ``||v_t||`` as the caller reduces it (where it may
+    decide on ``g_t``'s finiteness); ``ascend(||v_t||)`` moves ``x_t`` by ``eps_t`` in the
+    caller's geometry and layout.  ``ascend`` None: the coin skipped the second pass, and
+    ``d_t`` is updated all the same (Alg. 2, line 5).  Returns ``(||v_t||, ascend's result)``.
+    """
+    if theta is None:
+        if len(slopes):
+            torch._foreach_copy_(list(slopes), list(grads))
+    else:
+        moving_average(slopes, grads, theta, in_place=True)           # eq. (5a)
+    slope_norm = norm()                                                 # ||v_t||
+    return slope_norm, None if ascend is None else ascend(slope_norm)   # eq. (5b): x_t + eps_t
 
 
 # --------------------------------------------------------------------------- geometry
@@ -82,7 +106,7 @@ def ascent_direction(
     Returns ``(eps, ||T v||)``, the norm as a 0-dim float64 tensor: the scale
     ``rho / ||T v||`` stays on the device, so this costs no host sync.  ``eps`` is
     all zeros (never NaN) when ``v == 0``.  Plain geometry callers that only need
-    ``x + eps`` should use :func:`plain_ascent_scale` and ``_foreach_add_`` instead:
+    ``x + eps`` should use :func:`ascent_scale` and ``_foreach_add_`` instead:
     no temporaries.
     """
     if adaptive_mask is None:
@@ -101,13 +125,8 @@ def ascent_direction(
         if t is not None:
             tv.mul_(t)  # T (T v) = T^2 v
     if scaled:
-        torch._foreach_mul_(scaled, _ascent_factor(rho, norm))
+        torch._foreach_mul_(scaled, ascent_scale(rho, norm).float())
     return scaled, norm
-
-
-def _ascent_factor(rho: float, norm: torch.Tensor) -> torch.Tensor:
-    """``rho / norm`` as a float32 device tensor, 0 when ``norm == 0`` (``v == 0``)."""
-    return torch.where(norm > 0.0, rho / norm, torch.zeros_like(norm)).float()
 
 
 def adaptive_direction_(slopes: Tensors, params: Tensors, adaptive_mask: Sequence[bool], eta: float) -> None:
@@ -129,7 +148,7 @@ def ascend_along_(params: Tensors, directions: Tensors, rho: float, norm: float,
     if not adaptive or not params:
         ascend_(params, directions, rho, norm)
         return
-    factor = _ascent_factor(rho, torch.full((), norm, dtype=torch.float64, device=params[0].device))
+    factor = ascent_scale(rho, torch.full((), norm, dtype=torch.float64, device=params[0].device)).float()
     torch._foreach_add_(params, torch._foreach_mul(directions, factor))
 
 
@@ -141,12 +160,12 @@ def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
     Plain geometry (``adaptive_mask`` None): ``x += s v`` with ``s = rho / ||v||``,
     ``norm`` being ``||v||`` (a float), without materializing ``eps``; returns
     ``(None, s, None)``.  (The step decided on the device moves with :func:`move_` and
-    :func:`unit_scale` instead: no host float.)  Adaptive geometry: ``norm`` is ``||T v||`` when reduced
+    a device scale instead: no host float.)  Adaptive geometry: ``norm`` is ``||T v||`` when reduced
     already (None: reduced here, over ``plan``/``layout``); returns
     ``(eps, None, ||T v||)``, the norm a 0-dim float64 tensor."""
     params, slopes = list(params), list(slopes)
     if adaptive_mask is None:
-        scale = plain_ascent_scale(rho, norm)
+        scale = ascent_scale(rho, norm)
         move_(params, slopes, scale)
         return None, scale, None
     eps, scaled_norm = ascent_direction(slopes, params, rho, adaptive_mask=adaptive_mask, eta=eta, plan=plan,
@@ -158,7 +177,7 @@ def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
 
 def move_(params: Tensors, slopes: Tensors, scale, *, rho: float = 1.0) -> None:
     """``x += s v`` in place, ``s`` a float, or ``rho`` times a 0-dim device tensor
-    (:func:`unit_scale`; no host sync, ``rho`` rides along as the add's ``alpha``)."""
+    (``ascent_scale(1.0, ||v||)``; no host sync, ``rho`` rides along as the add's ``alpha``)."""
     params = list(params)
     if params and torch.is_tensor(scale):
         torch._foreach_add_(params, torch._foreach_mul(list(slopes), scale), alpha=rho)
@@ -181,16 +200,14 @@ def descend_from_ascent_(params: Tensors, slopes: Tensors, scale,
         torch._foreach_sub_(params, list(slopes), alpha=scale)
 
 
-def plain_ascent_scale(rho: float, slope_norm: float) -> float:
-    """Scalar ``s`` with ``eps = s * v`` in plain geometry; 0 when ``v == 0``."""
-    return rho / slope_norm if slope_norm > 0.0 else 0.0
-
-
-def unit_scale(slope_norm: torch.Tensor) -> torch.Tensor:
-    """``1 / ||v||`` from a 0-dim device tensor, 0 where ``||v||`` is 0 or not finite (the
-    step decided on the device: nothing moves then), with no host sync: ``eps = rho *
-    unit_scale(||v||) * v`` (:func:`move_`)."""
-    return slope_norm.reciprocal().nan_to_num_(0.0, 0.0, 0.0)  # 1/0 = inf -> 0; 1/inf = 0; NaN -> 0
+def ascent_scale(rho, norm):
+    """Eq. (5b)'s scale ``s = rho / ||v||`` with ``eps = s v``, 0 where ``||v||`` is 0 (``v ==
+    0``) or not finite: a float from floats; from a 0-dim tensor a tensor, with no host sync
+    (``1 / ||v||`` with ``rho = 1``: the step decided on the device multiplies ``rho`` in last)."""
+    if torch.is_tensor(norm):  # (torch's float / tensor is the reciprocal times the float: one op less at 1)
+        scale = norm.reciprocal() if not torch.is_tensor(rho) and rho == 1.0 else rho / norm
+        return scale.nan_to_num_(0.0, 0.0, 0.0)  # rho / 0 = inf -> 0; rho / inf = 0; NaN -> 0
+    return rho / norm if 0.0 < norm < math.inf else 0.0
 
 
 def plain_ascent_norm(rho: float, slope_norm):
@@ -205,21 +222,23 @@ def estimated_sharpness(rho: float, slope_norm: float) -> float:
     return rho * slope_norm
 
 
-def distance_between_ascents(norm_a, norm_b, inner):
-    """``||a - b||`` from ``||a||``, ``||b||`` and ``<a, b>`` (clamped at 0 for rounding);
-    a float from floats, a 0-dim tensor (no host sync) when any of them is one."""
-    squared = norm_a * norm_a + norm_b * norm_b - 2.0 * inner
-    if torch.is_tensor(squared):
-        return squared.clamp(min=0.0).sqrt()
-    return math.sqrt(max(squared, 0.0))
+def last_ascent_norm(last):
+    """``||eps_{t-1}||`` from the last ascent ``[rho, ||v||]`` (plain geometry, whose ascent
+    norm follows) or ``[rho, ||v||, ||eps||]`` (adaptive geometry): the optimizer's one record of it."""
+    return last[2] if len(last) == 3 else plain_ascent_norm(last[0], last[1])
 
 
-def plain_stability(scale: float, previous_scale: float, inner_slopes, ascent_norm, previous_ascent_norm):
-    """The stability ``||eps_t - eps_{t-1}||`` of plain geometry from scalars alone:
-    ``eps_t = s_t v_t`` and ``eps_{t-1} = s_{t-1} v_{t-1}``, so
-    ``<eps_t, eps_{t-1}> = s_t s_{t-1} <v_t, v_{t-1}>``."""
-    inner = scale * previous_scale * inner_slopes
-    return distance_between_ascents(ascent_norm, previous_ascent_norm, inner)
+def stability(ascent_norm, last, inner, *, scale=None):
+    """The stability ``||eps_t - eps_{t-1}||`` (``docs/diagnostics.md``) from ``||eps_t||``,
+    the last ascent ``last`` (:func:`last_ascent_norm`) and ``<eps_t, eps_{t-1}>``, clamped
+    at 0 for rounding.  With ``scale`` (plain geometry's ``s_t``) ``inner`` is
+    ``<v_t, v_{t-1}>`` and ``<eps_t, eps_{t-1}> = s_t s_{t-1} <v_t, v_{t-1}>``, ``s_{t-1}``
+    from ``last`` (the previous ascent recovered from the slope buffer, no buffer of its own)."""
+    if scale is not None:
+        inner = scale * ascent_scale(last[0], last[1]) * inner
+    previous = last_ascent_norm(last)
+    squared = ascent_norm * ascent_norm + previous * previous - 2.0 * inner
+    return squared.clamp(min=0.0).sqrt() if torch.is_tensor(squared) else math.sqrt(max(squared, 0.0))
 
 
 # --------------------------------------------------------------------------- rho schedule

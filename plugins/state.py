@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import MutableMapping
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import perturbation
 from .diagnostics import as_float
 
 __all__ = ["PERSISTENT", "counters_dict", "split_entry", "MergedState", "state_dict", "load_state_dict",
@@ -42,10 +43,16 @@ _EXPECTED = ("a state dict of SharpnessAware.state_dict(): the keys 'state' (per
              "'sam_counters') and 'param_groups' (each with 'rho'), optionally 'sharpness'")
 
 
-def counters_dict(step, seed, nonfinite_steps, previous) -> Dict[str, Any]:
+def counters_dict(step, seed, nonfinite_steps, last) -> Dict[str, Any]:
     """The wrapper's scalars as plain numbers (NaN norms: no ascent yet), the value of
-    ``sam_counters``: ints and floats only, which every checkpoint tool keeps."""
-    previous = previous or {}
+    ``sam_counters``: ints and floats only, which every checkpoint tool keeps.  ``last``: the
+    optimizer's record of its last ascent (:meth:`~plugins.SharpnessAware._last_ascent`, read
+    here) or a state dict's ``previous`` entry; None before the first ascent."""
+    if torch.is_tensor(last):
+        values = last.tolist()
+        norm = values[2] if len(values) == 3 else perturbation.plain_ascent_norm(values[0], values[1])
+        last = None if math.isnan(values[0]) else {"rho": values[0], "slope_norm": values[1], "ascent_norm": norm}
+    previous = last or {}
     return {"step": int(step), "seed": int(seed), "nonfinite_steps": int(nonfinite_steps),
             "last_rho": as_float(previous.get("rho", _NAN)),
             "last_slope_norm": as_float(previous.get("slope_norm", _NAN)),
@@ -95,7 +102,8 @@ def state_dict(opt) -> Dict[str, Any]:
         "state": state,
         "param_groups": [{k: v for k, v in g.items() if k not in own_keywords} for g in base["param_groups"]],
         "sharpness": {"step": counters["step"], "seed": counters["seed"],
-                      "previous": opt._previous and {k: as_float(v) for k, v in opt._previous.items()},
+                      "previous": None if math.isnan(counters["last_rho"]) else {
+                          k: counters["last_" + k] for k in ("rho", "slope_norm", "ascent_norm")},
                       "nonfinite_steps": counters["nonfinite_steps"],
                       # recorded for provenance; the constructor's values are the ones used
                       "rho": opt.rho, "theta": opt.theta, "adaptive": opt.adaptive, "eta": opt.eta,
@@ -370,6 +378,14 @@ def set_counters(opt, counters: Dict[str, Any]) -> None:
     opt._step = int(counters["step"])
     opt.seed = int(counters["seed"])
     opt._nonfinite_steps = int(counters["nonfinite_steps"])
-    last = [float(counters[k]) for k in ("last_rho", "last_slope_norm", "last_ascent_norm")]
-    opt._previous = None if math.isnan(last[0]) else dict(zip(("rho", "slope_norm", "ascent_norm"), last))
+    opt._last = last_ascent([counters[k] for k in ("last_rho", "last_slope_norm", "last_ascent_norm")], opt.adaptive)
     opt._lists = None
+
+
+def last_ascent(values, adaptive: bool) -> Optional[torch.Tensor]:
+    """The optimizer's record of its last ascent (:meth:`~plugins.SharpnessAware._last_ascent`)
+    from the saved ``[rho, ||v||, ||eps||]``: None where ``rho`` is NaN (no ascent yet)."""
+    values = [as_float(v) for v in values]
+    if math.isnan(values[0]):
+        return None
+    return torch.tensor(values if adaptive else values[:2], dtype=torch.float64)

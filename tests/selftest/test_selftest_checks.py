@@ -23,8 +23,8 @@ from fairseq_vasso.nmt import selftest as fairseq_check
 
 
 def _mutant_ascent_scale(monkeypatch):
-    stock = P.plain_ascent_scale
-    monkeypatch.setattr(P, "plain_ascent_scale", lambda rho, norm: 1.01 * stock(rho, norm))
+    stock = P.ascent_scale
+    monkeypatch.setattr(P, "ascent_scale", lambda rho, norm: 1.01 * stock(rho, norm))
 
 
 def _mutant_moving_average(monkeypatch):
@@ -271,7 +271,7 @@ def test_the_domainbed_check_fails_when_rho_zero_is_not_erm(monkeypatch):
     if domainbed_check.domainbed_missing():
         pytest.skip(domainbed_check.domainbed_missing())
     # (the unmutated check passes in test_selftest_command.py's run of the command)
-    monkeypatch.setattr(P, "plain_ascent_scale", lambda rho, norm: 1e-3 / norm)  # moves even at rho = 0
+    monkeypatch.setattr(P, "ascent_scale", lambda rho, norm: 1e-3 / norm)  # moves even at rho = 0
     with pytest.raises(checks.CheckFailed) as failed:
         domainbed_check.check_domainbed("cpu")
     assert "rho=0" in failed.value.figure and failed.value.details["rho0_tensors_differing_from_erm"]

@@ -156,8 +156,8 @@ def test_bad_arguments_are_refused_naming_the_flag(argv, named, capsys):
 
 
 def test_a_failing_check_exits_non_zero_and_says_what_to_attach(tmp_path, monkeypatch, capsys):
-    stock = P.plain_ascent_scale
-    monkeypatch.setattr(P, "plain_ascent_scale", lambda rho, norm: 1.5 * stock(rho, norm))
+    stock = P.ascent_scale
+    monkeypatch.setattr(P, "ascent_scale", lambda rho, norm: 1.5 * stock(rho, norm))
     report = tmp_path / "r.json"
     assert cli.main(["--checks", "math", "--json", str(report)]) == 1
     out = capsys.readouterr().out
