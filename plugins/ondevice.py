@@ -3,7 +3,7 @@
 A GPU runs ahead of the Python that feeds it; every read of a device value on the host
 (``.item()``, ``float()``, ``if tensor:``) makes the host wait until the GPU has drained
 its queue.  The step's decisions are therefore taken on the device where the
-configuration allows it (:func:`plugins.device_step.decides`,
+configuration allows it (:meth:`plugins.SharpnessAware._decides_on_device`,
 ``docs/design.md``, "Where a step is decided"): the finiteness of ``g_t`` and ``h_t`` is a 0-dim device
 bool, a non-finite ``g_t`` is replaced by ``d_{t-1}`` (SAM: the kept slope) before it is
 used, the ascent's scale is 0 then, and the base optimizer is handed the verdict as

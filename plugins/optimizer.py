@@ -443,8 +443,8 @@ class SharpnessAware(torch.optim.Optimizer):
         if self._pending is not None:
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
         step = self._begin(scaler, loss)          # the coin, rho, the step's lists; g_t unscaled where kept
-        if device_step.decides(self, step):       # no host read: the finiteness of g_t stays on the device
-            return device_step.perturb(self, step)
+        if self._decides_on_device(step):         # no host read: the finiteness of g_t stays on the device
+            return self._perturb_on_device(step)
         sums = self._first_pass_sums(step)        # one reduction, one host read: ||g_t||, ||d_t||, ...
         if not math.isfinite(sums["grad"]):       # the finiteness decision: nothing has moved, d_{t-1} kept
             step.kind = Kind.NONFINITE
@@ -506,6 +506,56 @@ class SharpnessAware(torch.optim.Optimizer):
         if self._partitioned and two_pass:
             step.exchange = self._exchange.get("exchange")
         return step
+
+    def _decides_on_device(self, step: StepInFlight) -> bool:
+        """Whether this step keeps its decisions on the device (:mod:`plugins.device_step`): one
+        process or replicas, one device and dtype (float32/64), a GradScaler or none, and a
+        slope buffer for every parameter already (the first step, which makes them, ``d_0 = g_0``
+        from a finite ``g_0``, reads on the host once), and the previous ascent too (made by the
+        first two-pass step) where the stability keeps it (eVASSO, ASAM)."""
+        if not (self._decide_on_device and step.lists.on_device and self.partition_group is None):
+            return False
+        dtype = step.lists.params[0].dtype
+        if any(g.dtype is not dtype for g in step.grads):
+            return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
+        flat = S.flat_buffer(self, step.lists, "slope")
+        if flat is None:
+            return False
+        # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
+        # held here, those would stay alive through the second pass (one model's size at the peak)
+        step.previous_slopes = flat.views
+        return not self._buffered_stability() or S.flat_buffer(self, step.lists, "previous_ascent") is not None
+
+    def _perturb_on_device(self, step: StepInFlight) -> bool:
+        """:meth:`perturb` with no host read (:func:`plugins.device_step.rule`).  Returns the
+        coin: True means run the second pass, even where ``g_t`` was not finite (nothing moved
+        then, and :meth:`_descend_on_device` skips the base step on the device)."""
+        if step.two_pass:
+            self._keep_for_descent(step, step.lists.flat_slope.views)  # x_t for an exact restore, g_t for GSAM
+        finite, slope_norm, inner, ascent = device_step.rule(
+            step, self.theta, adaptive=self.adaptive, eta=self.eta, scalar_stability=self._scalar_stability(),
+            buffered_stability=self._buffered_stability())
+        step.finite = finite
+        zero, one = step.lists.constants()[:2]
+        step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
+        if step.two_pass:
+            last = self._last_ascent(slope_norm) if self.track_stability else None
+            applied = device_step.diagnose(step, slope_norm, inner, ascent, last, buffered=self._buffered_stability())
+            if applied is not None:
+                self._last = applied
+            step.kind = Kind.PERTURBED
+            step.grads = None  # as perturb()'s: g_t is not held through the second pass
+        else:
+            step.kind = Kind.FIRST_GRADIENT
+            step.diagnostics.later(("nonfinite",), lambda: (~finite).double().reshape(1))
+        self._pending = step
+        return step.two_pass
+
+    def _buffered_stability(self) -> bool:
+        """eVASSO's and ASAM's stability: the coin's one-pass steps move ``d_t`` too, and ASAM's
+        ascent depends on ``x_t``, so the previous ascent is not recoverable from the slope
+        buffer and is kept in a buffer of its own (``previous_ascent``, one model's size)."""
+        return self.track_stability and not self._scalar_stability()
 
     def _scalar_stability(self) -> bool:
         """The stability from scalars alone: where the previous ascent is recoverable from
@@ -760,7 +810,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._pending = None
         self.in_second_pass = False
         if step.finite is not None:  # perturb() decided on the device
-            return device_step.descend(self, step, grad_scale, found_inf)
+            return self._descend_on_device(step, grad_scale, found_inf)
         if step.kind is Kind.NONFINITE:
             return False
         if step.kind is Kind.FIRST_GRADIENT:  # g_t, found finite by perturb(): nothing to decide again
@@ -779,6 +829,34 @@ class SharpnessAware(torch.optim.Optimizer):
             self._gsam_correct(step, second, firsts, sums["h"], sums["g_dot_h"])
         self._base_step()
         return True
+
+    def _descend_on_device(self, step: StepInFlight, grad_scale: Optional[torch.Tensor],
+                           found_inf: Optional[torch.Tensor]) -> Optional[bool]:
+        """:meth:`descend`'s base step for a step decided on the device (parameters back at
+        ``x_t`` already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as torch's
+        ``found_inf`` (:func:`plugins.device_step.verdict_`); one host read where the base cannot
+        take it (then returns whether it stepped; None where the device decided).  Under a
+        scaler, ``found_inf`` is the scaler's verdict on ``.grad`` and ``grad_scale`` the scale
+        ``.grad`` still carries."""
+        zero, one, two = step.lists.constants()
+        grads = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
+        verdict = device_step.verdict_(step.found_inf, found_inf, grads, grad_scale, one, zero,
+                                       check=step.kind is Kind.PERTURBED)
+        if step.kind is Kind.PERTURBED and self.gsam_alpha > 0.0 and step.rho > 0.0 and grads:  # (rho 0: h == g)
+            second, firsts, plan = self._second_grads(step)
+            h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
+            self._gsam_correct(step, second, firsts, h_norm, g_dot_h)  # h_t - alpha g_t^perp
+        code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
+        read = ondevice.base_step(self.base_optimizer, verdict, code,  # the code, where the host had to read it
+                                  stepped_before=step.lists.base_stepped)
+        step.lists.base_stepped = step.lists.base_stepped or read == 0
+        P.moved_parameters()
+        if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
+            self._verdicts.send(self._step - 1, code, step.scaled)
+            return None
+        if read:
+            self._skip_nonfinite(ondevice.Verdicts.WHICH[read], step.scaled)
+        return read == 0
 
     def _gsam_correct(self, step: StepInFlight, second, firsts, h_norm, g_dot_h) -> None:
         """GSAM's ``h_t - alpha g_t^perp`` on the gradients the second pass made, from the

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import perturbation
+from . import ondevice, perturbation
 from .diagnostics import as_float
 
 __all__ = ["PERSISTENT", "counters_dict", "split_entry", "MergedState", "state_dict", "load_state_dict",
@@ -389,3 +389,36 @@ def last_ascent(values, adaptive: bool) -> Optional[torch.Tensor]:
     if math.isnan(values[0]):
         return None
     return torch.tensor(values if adaptive else values[:2], dtype=torch.float64)
+
+
+#: the StepLists attribute of each buffer kept flat on the device path
+_FLAT_ATTRIBUTES = {"slope": "flat_slope", "previous_ascent": "flat_previous_ascent"}
+
+
+def flat_buffer(opt, lists, key: str) -> Optional["ondevice.Flat"]:
+    """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
+    selection or an inner product over all of them is one kernel: made once per set of
+    parameters, from the buffers the first steps wrote (None while a parameter has none), for
+    the steps decided on the device (:mod:`plugins.device_step`)."""
+    attribute = _FLAT_ATTRIBUTES[key]
+    if getattr(lists, attribute) is None:
+        own = opt._own_state
+        kept = [own[q].get(key) if q in own else None for q in lists.params]
+        if any(v is None for v in kept):
+            return None
+        flat = ondevice.Flat(lists.params)
+        torch._foreach_copy_(flat.views, kept)
+        for q, v in zip(lists.params, flat.views):
+            own[q][key] = v
+        # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps
+        # its buffer of its own: as a view it would keep an earlier flat buffer alive
+        present = set(map(id, lists.params))
+        for q, buffers in own.items():
+            s = buffers.get(key)
+            if id(q) not in present and torch.is_tensor(s) and s._base is not None:
+                buffers[key] = s.clone(memory_format=torch.preserve_format)
+        lists.buffers[key] = flat.views
+        setattr(lists, attribute, flat)
+        if lists.storage_params is None:
+            lists.storage_params = ondevice.storage_views(lists.params)
+    return getattr(lists, attribute)

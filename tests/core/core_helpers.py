@@ -120,7 +120,7 @@ def coin_seed(p: float, skipped: int = 2) -> int:
 def decided_on_device(kind: str, dtype=torch.float32) -> bool:
     """Whether the member's steps are decided on the device (``plugins.ondevice``) once its
     slope buffers (and the previous ascent, where its stability keeps one) exist: fp32/fp64
-    parameters, a GradScaler or none, every member (``plugins.device_step.decides``)."""
+    parameters, a GradScaler or none, every member (``SharpnessAware._decides_on_device``)."""
     return dtype in (torch.float32, torch.float64)
 
 
