@@ -15,6 +15,9 @@ patches:
   one line and exit status 2, like argparse, before the task, model or data exist.
 * ``Trainer.__init__``: the same refusals for configs that never went through the
   command line (``fairseq-hydra-train``).
+* for the tools, installed only where they call it: the benchmark's step timer
+  (:func:`time_train_steps`) and the demo's rounding control (:func:`nudge_initial_weights`,
+  ``Trainer.__init__`` then moves the initial weights).
 * ``Trainer.load_checkpoint``: a checkpoint already at ``--max-update`` ends the run
   (exit status 0, one line): stock fairseq would train one more update and save it over
   the finished checkpoint, so the same command run twice changed a finished result.
@@ -623,7 +626,11 @@ def _log_diagnostics(sa, ctx):
     prints, at its own log interval, as it does for its loss."""
     diag = sa.last_diagnostics
     raw = diag.unread() if hasattr(diag, "unread") else diag  # the core's lazy Diagnostics, unread
-    two_pass = float(raw.get("two_pass", 0.0))
+    two_pass = raw.get("two_pass", 0.0)
+    if torch.is_tensor(two_pass):
+        # decided on the device: the coin said two passes, and this step, logged because it was
+        # taken, was finite; reading the value would cost a host sync every update
+        two_pass = 1.0
     values = {
         "ascent_norm": raw.get("ascent_norm", float("nan")),
         "loss_gap": ctx.loss_gap if two_pass else float("nan"),
@@ -719,6 +726,31 @@ def time_train_steps(write):
 
     FairseqTask.train_step = timed_task_step
     Trainer.train_step = timed_train_step
+
+
+def nudge_up(parameters, ulps):
+    """Moves every tensor of ``parameters`` ``ulps`` floats up, to the next float of its dtype
+    towards +inf each time (``torch.nextafter``; in place, without autograd)."""
+    with torch.no_grad():
+        for q in parameters:
+            for _ in range(ulps):
+                q.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))))
+
+
+def nudge_initial_weights(ulps):
+    """Once fairseq's ``Trainer`` holds the freshly initialized model, move each of its
+    parameters ``ulps`` floats up (:func:`nudge_up`): the demo's rounding control
+    (:mod:`fairseq_vasso.nmt.nudged_train`).  A run resumed from a checkpoint loads its
+    weights over the nudged ones.  It stays installed for the process."""
+    hooked_init = Trainer.__init__
+
+    def init_then_nudge(self, cfg, task, model, criterion, *args, **kwargs):
+        hooked_init(self, cfg, task, model, criterion, *args, **kwargs)
+        # the model itself (self.model would build a distributed wrapper early); its parameters()
+        # yields a shared tensor (tied embeddings) once, so each weight moves once
+        nudge_up(self._model.parameters(), ulps)
+
+    Trainer.__init__ = init_then_nudge
 
 
 install()

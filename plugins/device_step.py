@@ -1,6 +1,6 @@
 """The step decided on the device: :meth:`plugins.SharpnessAware.perturb`'s and
 :meth:`~plugins.SharpnessAware.descend`'s phases with no host read (``docs/design.md``,
-section 7).
+"Where a step is decided").
 
 :meth:`~plugins.SharpnessAware.perturb` hands a step here when :func:`decides` says its
 configuration allows it; the rule is then :func:`rule`, the paper's rule as
@@ -22,7 +22,7 @@ import torch
 from . import ondevice, scaling
 from . import perturbation as P
 from .inflight import Kind, StepInFlight, StepLists
-from .reductions import Sums
+from .reductions import Sums, long_dot, long_norm
 
 __all__ = ["decides", "perturb", "rule", "descend"]
 
@@ -130,18 +130,18 @@ def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor],
             P.moving_average(v.views, grads, theta, in_place=True)  # eq. (5a): d_t
         else:
             torch._foreach_copy_(v.views, step.grads)   # SAM: v_t = g_t
-        slope_norm = torch.linalg.vector_norm(v.flat)   # ||v_t||: finite iff g_t is (v_{t-1} is)
+        slope_norm = long_norm(v.flat)                  # ||v_t||: finite iff g_t is (v_{t-1} is)
         finite = slope_norm < math.inf
         torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
         if not step.two_pass:
             return finite, None, None, None
         inner = ascent = None
         if opt._scalar_stability():
-            inner = torch.dot(v.flat, previous)         # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
+            inner = long_dot(v.flat, previous)          # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
         opt._keep_for_descent(step, v.views)           # x_t for an exact restore (ASAM's), g_t for GSAM
         if opt.adaptive:  # into v_{t-1}'s copy (used up): T^2 v_t / ||T v_t||, 0 if not finite
             scaled_norm, unit = _adaptive_direction(opt, lists, v, previous, pieces, finite)
-            ascent = (scaled_norm, torch.linalg.vector_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
+            ascent = (scaled_norm, long_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
         else:
             unit = P.unit_scale(slope_norm)             # eq. (5b): eps_t = rho * v_t / ||v_t||, 0 if not finite
             # v_t * unit in one kernel over the flat buffer, into v_{t-1}'s copy (used up)
@@ -150,7 +150,7 @@ def rule(opt, step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor],
         if buffered_stability(opt):  # eVASSO, ASAM: the previous ascent eps_last, kept flat
             kept = lists.flat_previous_ascent
             # the stability's inner product: ASAM's <eps_t / rho, eps_last>, else <v_t, eps_last>
-            inner = torch.dot(previous if opt.adaptive else v.flat, kept.flat)
+            inner = long_dot(previous if opt.adaptive else v.flat, kept.flat)
             # eps_t = rho * that product is the next previous ascent, where g_t was finite
             torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
@@ -171,7 +171,7 @@ def _adaptive_direction(opt, lists: StepLists, v: ondevice.Flat, into: torch.Ten
         torch._foreach_zero_(plain)
         torch._foreach_add_(plain, 1.0)
     scaled = torch.mul(v.flat, into)                    # T v_t (a model-sized temporary, freed on return)
-    scaled_norm = torch.linalg.vector_norm(scaled)
+    scaled_norm = long_norm(scaled)
     unit = torch.where(finite, P.unit_scale(scaled_norm), 0.0)  # a non-finite g_t moves nothing
     into.mul_(scaled).mul_(unit)                        # T (T v_t) / ||T v_t||
     return scaled_norm, unit
@@ -237,7 +237,9 @@ def descend(opt, step: StepInFlight, grad_scale: Optional[torch.Tensor] = None,
             h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
             opt._gsam_correct(step, second, firsts, h_norm, g_dot_h)
     code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
-    read = ondevice.base_step(opt.base_optimizer, verdict, code)  # the code, where the host had to read it
+    read = ondevice.base_step(opt.base_optimizer, verdict, code,  # the code, where the host had to read it
+                              stepped_before=step.lists.base_stepped)
+    step.lists.base_stepped = step.lists.base_stepped or read == 0
     P.moved_parameters()
     if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
         opt._verdicts.send(opt._step - 1, code, step.scaled)

@@ -48,7 +48,7 @@ DTENSOR_PARTITION = ("partition_group must be None for DTensor parameters (FSDP2
 #: The refusal of a second pass without the model under ``partition_group``.
 PARTITION_MODEL = ("partition_group: the second pass needs every parameter at x + eps on every rank, and each "
                    "rank's optimizer holds only its own: pass the model, step(closure, model=model) or "
-                   "second_pass(model, rng), so that the owners can send theirs (docs/design.md, section 7)")
+                   "second_pass(model, rng), so that the owners can send theirs (docs/design.md, "Distributed steps")")
 _NONE = (None, None, None)
 
 
@@ -447,7 +447,7 @@ def exchange_sums(cache: Dict[str, Any], exchange: AscentExchange, params: List[
                   layout, fill) -> Tuple[Dict[str, float], Optional[AscentExchange]]:
     """``perturb()``'s one collective under ``partition_group``, once the model's exchange
     is known (built by an earlier second pass): the step's sums and every rank's ascent
-    directions travel in one ``all_gather`` (``docs/design.md``, section 7).
+    directions travel in one ``all_gather`` (``docs/design.md``, "Distributed steps").
 
     ``fill(directions)`` writes this rank's ascent directions into the places the
     exchange gives its parameters ``params`` (``v_t``, or ``T^2 v_t`` in adaptive

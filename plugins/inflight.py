@@ -73,7 +73,7 @@ class StepLists:
 
     __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
                  "buffers", "flat_slope", "flat_previous_ascent", "storage_params", "on_device", "pointers",
-                 "_constants")
+                 "base_stepped", "_constants")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
         self.params = params
@@ -99,6 +99,8 @@ class StepLists:
         self.flat_previous_ascent = None  # likewise eVASSO's previous-ascent buffers, where its stability is tracked
         self.storage_params = None  # with it, the parameters as 1-D views in storage order (ondevice.storage_views)
         self._constants = None
+        # the base optimizer has stepped over this set: a fused base's state exists (plugins.ondevice.base_step)
+        self.base_stepped = False
         # a step may be decided on the device: one device and dtype (float32/64), dense tensors, one process
         # or replicas (plugins.device_step.decides adds what the step's options allow)
         self.on_device = (bool(params) and not self.low_precision and not layout.sharded and not layout.collective

@@ -4,7 +4,7 @@ A GPU runs ahead of the Python that feeds it; every read of a device value on th
 (``.item()``, ``float()``, ``if tensor:``) makes the host wait until the GPU has drained
 its queue.  The step's decisions are therefore taken on the device where the
 configuration allows it (:func:`plugins.device_step.decides`,
-``docs/design.md``, section 7): the finiteness of ``g_t`` and ``h_t`` is a 0-dim device
+``docs/design.md``, "Where a step is decided"): the finiteness of ``g_t`` and ``h_t`` is a 0-dim device
 bool, a non-finite ``g_t`` is replaced by ``d_{t-1}`` (SAM: the kept slope) before it is
 used, the ascent's scale is 0 then, and the base optimizer is handed the verdict as
 torch's ``found_inf`` (fused Adam/AdamW/SGD skip on the device; any other base costs one
@@ -29,7 +29,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["Flat", "storage_views", "dense", "flat_scratch_is_cheap", "total_norm", "check_finite_",
-           "takes_found_inf", "base_step", "overflow_into_", "Verdicts"]
+           "takes_found_inf", "base_step", "overflow_into_", "HostCopy", "Verdicts"]
 
 
 def dense(t: torch.Tensor) -> bool:
@@ -120,22 +120,22 @@ def flat_scratch_is_cheap(t: torch.Tensor) -> bool:
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of a list of tensors as one 0-dim device tensor (no host read): not finite
-    iff some element is not."""
+    iff some element is not (or the sum of squares overflows, as the host path's norm)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))))
 
 
 def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> None:
-    """``found_inf`` (0-dim float32) becomes 1 if any of ``tensors`` has a non-finite element,
-    and is left as it is otherwise: torch's own check, the one ``GradScaler`` uses (one
-    kernel for the list, unscaling by ``one``: the values stay as they are).  A torch
-    without that kernel for the device (the CPU's before torch 2.3): from their norm."""
+    """``found_inf`` (0-dim float32) becomes 1 if any of ``tensors`` has a non-finite element
+    (or a norm that overflows, as the host path's check of ``||h_t||``), and is left as it is
+    otherwise.  Read-only: torch's one-kernel check (GradScaler's) runs on the tensors' norms,
+    not on the tensors, whose every element it would rewrite (an unscale by 1) to learn one bit."""
     if not tensors:
         return
+    norms = torch._foreach_norm(list(tensors))
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found_inf, one)
-    except (NotImplementedError, RuntimeError):
-        norm = total_norm(tensors)
-        found_inf.copy_(torch.where(norm < math.inf, found_inf, one))
+        torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)
+    except (NotImplementedError, RuntimeError):  # a torch without it for the device (the CPU's before 2.3)
+        found_inf.copy_(torch.where(torch.stack(norms).sum() < math.inf, found_inf, one))
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -145,12 +145,16 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def base_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, verdict: torch.Tensor) -> Optional[int]:
+def base_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, verdict: torch.Tensor, *,
+              stepped_before: bool) -> Optional[int]:
     """The base optimizer's step, skipped where ``found_inf`` (a 0-dim float32 device tensor,
     1.0 or 0.0) is 1: on the device for an optimizer that takes torch's ``found_inf``
     (returns None: the host does not know), else after one host read of ``verdict`` (the
-    step's code, :class:`Verdicts`), whose value it returns (0: it stepped)."""
-    if takes_found_inf(optimizer):
+    step's code, :class:`Verdicts`), whose value it returns (0: it stepped).  A fused base
+    makes its state on its first step before it looks at ``found_inf`` (fused SGD's momentum
+    is an ``empty_like``): until it has ``stepped_before`` over these parameters, the host
+    reads the verdict, so that a skipped first step leaves no uninitialised state behind."""
+    if takes_found_inf(optimizer) and stepped_before:
         optimizer.found_inf = found_inf
         optimizer.grad_scale = None
         try:
@@ -176,49 +180,82 @@ def overflow_into_(grads: Sequence[Optional[torch.Tensor]], finite: torch.Tensor
         element.copy_(torch.where(finite, element, math.inf))
 
 
+class HostCopy:
+    """A verdict's slot in pinned host memory and the CUDA event that tells when the copy
+    into it has landed; a slot is reused once its verdict has been read."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, like: torch.Tensor):
+        self.host = torch.empty((), dtype=like.dtype, pin_memory=True)
+        self.event = torch.cuda.Event()
+
+    def start(self, verdict: torch.Tensor) -> None:
+        self.host.copy_(verdict, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(verdict.device))  # the copy's stream, whichever device is current
+
+    def arrived(self) -> bool:
+        return self.event.query()  # (a query does not wait)
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
 class Verdicts:
     """The device's verdicts on steps, on their way to the host without a wait: each is
-    copied to pinned host memory without blocking (CUDA) and looked at once it has
-    arrived, at a later step or when someone asks (:meth:`arrived` with ``wait``).  On
-    the CPU a verdict is there at once: its value is read directly, nothing waits.
+    copied to pinned host memory without blocking (CUDA; :class:`HostCopy`, whose slots are
+    reused) and looked at once it has arrived, at a later step or when someone asks
+    (:meth:`arrived` with ``wait``).  On the CPU a verdict is there at once: its value is
+    read directly, nothing waits.
 
     A verdict is a 0-dim float tensor: 0 the step was taken, 1 it was skipped for a
     non-finite second-pass gradient (or what a loss scaler found), 2 for a non-finite
     first-pass gradient.  A step under a loss scaler is counted but not warned about: an
     overflow is the scaler's routine signal to back its scale off."""
 
-    __slots__ = ("_queue",)
+    __slots__ = ("_queue", "_free")
 
     WHICH = {1: "second-pass", 2: "first-pass"}
 
     def __init__(self):
-        self._queue: List[tuple] = []  # (step, host copy, event, scaled)
+        self._queue: List[tuple] = []  # (step, HostCopy or a CPU tensor, scaled)
+        self._free: List[HostCopy] = []  # slots whose verdict has been read
+
+    @staticmethod
+    def travels(verdict: torch.Tensor) -> bool:
+        """The verdict must be copied to the host (it lives on an accelerator)."""
+        return verdict.device.type != "cpu"
 
     def send(self, step: int, verdict: torch.Tensor, scaled: bool = False) -> None:
-        if verdict.device.type == "cpu":
-            copy, event = verdict, None
+        if self.travels(verdict):
+            slot = self._free.pop() if self._free else HostCopy(verdict)
+            slot.start(verdict)
         else:
-            copy = torch.empty((), dtype=verdict.dtype, pin_memory=True)
-            copy.copy_(verdict, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(verdict.device))  # the copy's stream, whichever device is current
-        self._queue.append((step, copy, event, scaled))
+            slot = verdict
+        self._queue.append((step, slot, scaled))
 
     def arrived(self, *, wait: bool) -> List[tuple]:
         """``(step, which pass, scaled)`` of the skipped steps among the verdicts that have
         arrived, in order (all of them with ``wait``)."""
         skipped = []
         while self._queue:
-            step, copy, event, scaled = self._queue[0]
-            if event is not None and not event.query():  # (a query does not wait)
-                if not wait:
-                    break
-                event.synchronize()
+            step, slot, scaled = self._queue[0]
+            if isinstance(slot, HostCopy):
+                if not slot.arrived():
+                    if not wait:
+                        break
+                    slot.wait()
+                code = int(slot.host.numpy())  # a host tensor: no device to wait for
+                self._free.append(slot)
+            else:
+                code = int(slot.numpy())
             self._queue.pop(0)
-            code = int(copy.numpy())  # a host tensor: no device to wait for
             if code:
                 skipped.append((step, self.WHICH[code], scaled))
         return skipped
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def __reduce__(self):  # a copy starts empty: events and pinned slots do not copy (the owner waits first)
+        return type(self), ()

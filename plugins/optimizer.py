@@ -1,6 +1,6 @@
 """The sharpness-aware optimizer family as one wrapper over any torch optimizer.
 
-One class, four independent choices (``docs/design.md``, section 1):
+One class, four independent choices (``docs/design.md``, "One step, equation by equation"):
 
 =============  ===================================  ===============================
 choice         knob                                 members
@@ -121,26 +121,11 @@ class SharpnessAware(torch.optim.Optimizer):
         exact_restore: keep a copy of ``x_t`` during each two-pass step and restore
             from it, bit for bit, instead of subtracting ``eps`` again (one more
             parameter-sized buffer; automatic for adaptive geometry and fp16/bf16).
-        partition_group: the ``torch.distributed`` process group over which the
-            parameters are split among the ranks' optimizers, each holding only its own
-            part: ``ZeroRedundancyOptimizer`` and fairscale's ``OSS`` with this class as
-            their optimizer class, or a hand-split model.  The step's sums of squares and
-            inner products are then summed over the group, and before the second
-            forward every owner sends its parameters at ``x + eps`` to the other ranks,
-            so the second pass must be given the model (``step(closure, model=model)``,
-            ``second_pass(model, rng)``).  None (the default) for one process, for DDP
-            replicas and for DTensor parameters (FSDP2's ``fully_shard``), which carry
-            their device mesh; given with DTensors it is refused.  Named this way because
-            ``ZeroRedundancyOptimizer`` and ``OSS`` keep ``process_group`` / ``group``
-            for themselves: pass them the same group.  They also copy this keyword into
-            their ``state_dict()``, where a ``ProcessGroup`` cannot be pickled: pass it
-            there as :class:`plugins.PartitionGroup` ``(group)``, which can.  Ranks that
-            train models of their own pass a group of one rank
-            (``torch.distributed.new_subgroups(1)[0]``): nothing is reduced.  Slices of
-            flat parameters that the model all-gathers itself in every forward (fairscale's
-            FSDP, torch's FSDP1 without ``use_orig_params``) pass
-            ``PartitionGroup(group, model_gathers=True)``: the sums run over the group,
-            nothing is sent before the second pass, which then needs no model.
+        partition_group: the ``torch.distributed`` group over which the parameters are split
+            among the ranks' optimizers (``ZeroRedundancyOptimizer``, fairscale's ``OSS``, a
+            hand-split model: pass it to them as :class:`plugins.PartitionGroup`; flat shards
+            the model gathers itself: ``PartitionGroup(group, model_gathers=True)``). None for
+            one process, DDP and FSDP2 (``docs/distributed.md``).
 
     Two ways to use it.  With a closure (torch's convention)::
 
@@ -160,7 +145,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     ``opt.step(closure, model=model)`` also keeps ``model``'s BatchNorm running
     statistics from the first pass only.  Or, for loops that own their forward and
-    backward (fairseq, DomainBed), the host protocol (``docs/design.md``, section 3)::
+    backward (fairseq, DomainBed), the host protocol (``docs/design.md``, "The host protocol")::
 
         >>> from plugins.perturbation import rng_state
         >>> rng = rng_state()
@@ -179,7 +164,7 @@ class SharpnessAware(torch.optim.Optimizer):
     turns its device values into floats when first read (:class:`Diagnostics`).
 
     Distributed, the step is the one-process step on the whole batch, on every rank
-    (``docs/design.md``, section 7): under DDP nothing changes; under FSDP2 the
+    (``docs/design.md``, "Where a step is decided"): under DDP nothing changes; under FSDP2 the
     parameters are DTensors and each rank computes on its shard, with one
     ``all_reduce`` of a few floats per decision; under ZeRO / OSS pass
     ``partition_group``.  There the wrapper's ``step()`` calls this one, so the closure
@@ -546,7 +531,7 @@ class SharpnessAware(torch.optim.Optimizer):
         return self.track_stability and not self.adaptive and (self.theta is None or self.p >= 1.0)
 
     def _first_pass_sums(self, step: StepInFlight) -> Dict[str, float]:
-        """The step's one reduction and host read (``docs/design.md``, section 7): ``grad``
+        """The step's one reduction and host read (``docs/design.md``, "Where a step is decided"): ``grad``
         ``||g_t||`` (finiteness, SAM's ``||v_t||``); ``grad_dot_last`` ``<g_t, v_last>`` for
         the scalar stability (SAM: g of the last ascent; VASSO: d_{t-1}); ``slope``
         VASSO's ``||d_t||`` from ``d_{t-1}`` and ``g_t`` before ``d_t`` is written (the
@@ -875,6 +860,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _base_step(self) -> None:
         self.base_optimizer.step()
+        self._lists.base_stepped = True  # a fused base has its state now (plugins.ondevice.base_step)
         P.moved_parameters()
 
     @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """The math of one sharpness-aware step, as small functions over lists of tensors.
 
-Every formula of the step (``docs/design.md``, section 1) is written here once: the
+Every formula of the step (``docs/design.md``, "One step, equation by equation") is written here once: the
 moving average ``d_t`` (:func:`moving_average`, the one writer of its values), the ascent
 and its undo (:func:`ascend_`, :func:`descend_from_ascent_`), ASAM's ``T``
 (:func:`adaptive_scale`), GSAM's correction, the rho schedule, the coin, the stability
@@ -264,9 +264,12 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
     if torch.is_tensor(h_norm):  # 0-dim device tensors (a step decided on the device): no host decision
         h_sq = h_norm * h_norm
         moved = h_sq > 0.0  # h == 0: left as it is, as below
-        factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq))
+        # in the gradients' dtype (the sums are float64): a scalar tensor of another dtype sends
+        # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway
+        dtype = second_grads[0].dtype
+        factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq)).to(dtype)
         torch._foreach_mul_(list(second_grads), factor)
-        torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), moved * -alpha))
+        torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), (moved * -alpha).to(dtype)))
         return
     h_sq = h_norm * h_norm
     if h_sq == 0.0:

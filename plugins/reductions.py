@@ -17,7 +17,8 @@ import torch
 
 Tensors = Sequence[torch.Tensor]
 
-__all__ = ["FLAT_BELOW", "FLAT_CHUNK", "chunk_plan", "Sums", "global_norm", "dot"]
+__all__ = ["FLAT_BELOW", "FLAT_CHUNK", "LONG_CHUNK", "chunk_plan", "Sums", "global_norm", "dot", "long_dot",
+           "long_norm"]
 
 #: Tensors smaller than this many elements are flattened together (one ``torch.cat``
 #: per chunk), so that a model of many small tensors costs a few kernels instead of
@@ -26,7 +27,28 @@ FLAT_BELOW = 1 << 15
 #: A chunk of flattened tensors holds at most this many elements (the transient copy).
 FLAT_CHUNK = 1 << 20
 
+#: A norm or inner product over one tensor longer than this many elements is taken in
+#: pieces of this length: cuBLAS's dot takes a 32-bit length (it raises from 2^31 elements,
+#: a 2.15-billion-parameter flat buffer), and one piece keeps every shorter tensor's rounding.
+LONG_CHUNK = 1 << 30
+
 _NORM, _INNER, _NORM_OF = "norm", "inner", "norm_of"
+
+
+def long_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``<x, y>`` of two 1-D tensors of any length (0-dim, in their dtype): one ``torch.dot``
+    up to :data:`LONG_CHUNK` elements, else the sum of the pieces' dots."""
+    if x.numel() <= LONG_CHUNK:
+        return torch.dot(x, y)
+    return torch.stack([torch.dot(a, b) for a, b in zip(x.split(LONG_CHUNK), y.split(LONG_CHUNK))]).sum()
+
+
+def long_norm(x: torch.Tensor) -> torch.Tensor:
+    """``||x||`` of a tensor of any length (0-dim, in its dtype), in pieces as :func:`long_dot`."""
+    if x.numel() <= LONG_CHUNK:
+        return torch.linalg.vector_norm(x)
+    flat = x.reshape(-1)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(c) for c in flat.split(LONG_CHUNK)]))
 
 
 def chunk_plan(tensors: Tensors) -> List[List[int]]:
@@ -183,26 +205,31 @@ def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layou
     def pieces(xs):  # the large tensors, then the flat chunks
         return [_wide(xs[i]) for i in alone] + [flat(xs, k) for k in range(len(chunks))]
 
+    device = _wide(first[0]).device  # a model split over devices: its partial sums meet on the first one
+
+    def total(parts):
+        return torch.stack([q.double().to(device) for q in parts])
+
     results = []
     for kind, *args in terms:
         if kind == _NORM_OF:  # the pointwise function over the pieces, then their norms
             pointwise, lists = args[0], args[1:]
-            parts = [torch.linalg.vector_norm(v) for v in pointwise(*[pieces(xs) for xs in lists])]
+            parts = [long_norm(v) for v in pointwise(*[pieces(xs) for xs in lists])]
         elif kind == _NORM:
             xs = args[0]
             big = [xs[i] for i in alone]
-            if big and all(t.dtype in (torch.float32, torch.float64) for t in big):
+            if big and all(t.dtype in (torch.float32, torch.float64) and t.numel() <= LONG_CHUNK for t in big):
                 parts = list(torch._foreach_norm(big))
             else:
-                parts = [torch.linalg.vector_norm(_wide(t)) for t in big]
+                parts = [long_norm(_wide(t)) for t in big]
             parts += [torch.linalg.vector_norm(flat(xs, k)) for k in range(len(chunks))]
         else:
             xs, ys = args
-            parts = [torch.dot(_wide(xs[i]), _wide(ys[i]).to(_wide(xs[i]).dtype)) for i in alone]
-            parts += [torch.dot(flat(xs, k), flat(ys, k).to(flat(xs, k).dtype)) for k in range(len(chunks))]
-            results.append(torch.stack([q.double() for q in parts]).sum() if len(parts) > 1 else parts[0].double())
+            parts = [long_dot(_wide(xs[i]), _wide(ys[i]).to(_wide(xs[i]).dtype)) for i in alone]
+            parts += [long_dot(flat(xs, k), flat(ys, k).to(flat(xs, k).dtype)) for k in range(len(chunks))]
+            results.append(total(parts).sum() if len(parts) > 1 else parts[0].double().to(device))
             continue
-        results.append(torch.stack([q.double() for q in parts]).square().sum())
+        results.append(total(parts).square().sum())
     return torch.stack(results)
 
 

@@ -67,7 +67,8 @@ what to run in each mode.
    of issue 33's goal where the 95 % interval of the median ratio allows one
    (:mod:`plugins.lab.bench.device`).  ``--device cuda --quick`` keeps the rows the verdicts
    need; either fits 2 minutes of one H100.  Interrupted (Ctrl-C, SIGTERM), it writes the
-   report of the rounds finished and exits 130.
+   report of the rounds finished and exits 130.  ResNet-50 needs torchvision: where it cannot
+   be imported the default models are the transformer alone, and the report says so.
 9. **Where the time goes** (``--profile``): a ``torch.profiler`` trace of one VASSO step on
    ``--device``, by phase (:mod:`plugins.lab.bench.profile`).
 10. **Host cost** (``--host-cost``): the optimizer's own host time per step on 200 small
@@ -301,9 +302,18 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
     if set(models) - set(DEVICE_MODELS):
         ap.error(f"--models: {' '.join(sorted(set(models) - set(DEVICE_MODELS)))} is not a model of --device "
                  f"(choose from {', '.join(DEVICE_MODELS)})")
-    if "resnet50" in models and not args.host_cost and importlib.util.find_spec("torchvision") is None:
-        ap.error("--models resnet50 (a default) needs torchvision (pip install torchvision); "
-                 "--models transformer runs without it")
+    models_left_out = {}
+    if "resnet50" in models and not args.host_cost and not args.profile:
+        lacking = torchvision_missing()
+        if lacking and args.models:
+            ap.error(f"--models resnet50 needs torchvision ({lacking}; pip install torchvision, the build for "
+                     f"torch {torch.__version__}); --models transformer runs without it")
+        if lacking:  # the default models: those that need no torchvision, saying so
+            models = [m for m in models if m != "resnet50"]
+            models_left_out["resnet50"] = (f"needs torchvision ({lacking}; pip install torchvision, the build for "
+                                           f"torch {torch.__version__})")
+            print(f"benchmark.py: resnet50 left out: it {models_left_out['resnet50']}; running "
+                  f"{', '.join(models)}", file=sys.stderr, flush=True)
     rounds = device.MIN_ROUNDS if args.rounds is None else args.rounds
     if rounds < 1:
         ap.error(f"--rounds {rounds}: at least 1")
@@ -358,6 +368,7 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
                                       ("--reference-sam", args.reference_sam)) if path})
         finally:
             signal.signal(signal.SIGTERM, previous)
+        results["models_left_out"] = models_left_out
         text = device.render(results)
     print(text)
     if args.markdown:
@@ -375,6 +386,18 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
             print("benchmark.py: MISS: " + "; ".join(missed), file=sys.stderr)
             return 1
     return 0
+
+
+def torchvision_missing() -> Optional[str]:
+    """Why torchvision cannot be imported here (not installed, or a build for another torch),
+    or None."""
+    if importlib.util.find_spec("torchvision") is None:
+        return "not installed"
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # e.g. built for another torch: its operators fail to register
+        return f"its import fails: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return None
 
 
 def _interrupt(signum, frame):

@@ -13,7 +13,12 @@
 # compiled code (fairseq-fixed where PyPI has no wheel for the target, e.g. cp311) only when the
 # Python that runs this script (PYTHON, default python3) is the target's version, with torch,
 # numpy and cython installed (fairseq compiles against them: give it the node's torch version).
+# Before any work it asks the index whether fairseq-fixed must be compiled here, and if so refuses
+# a PYTHON of another version, or without the node's torch (--torch), numpy or cython, naming the
+# fix; while it compiles it says every 30 s how long it has taken (and the build log's last line).
 # --find-links FOLDER (repeatable): wheels built already (e.g. fairseq-fixed by the node's Python).
+# The node's platform: `python3 -c 'import sysconfig; print(sysconfig.get_platform())'` on the node
+# gives e.g. linux-x86_64, and `ldd --version | head -1` its glibc, e.g. 2.28: manylinux_2_28_x86_64.
 # DIR must be new or empty. Run `bash scripts/wheelhouse.sh --help` for this text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,13 +38,13 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$DIR" ] || { echo "wheelhouse.sh: name the folder to fill (see --help)" >&2; exit 2; }
 [[ "$PYVER" =~ ^3\.[0-9]+$ ]] || { echo "wheelhouse.sh: --python-version must be like 3.12 (the node's Python), got '${PYVER}'" >&2; exit 2; }
-[ -n "$PLATFORM" ] || { echo "wheelhouse.sh: --platform is required, e.g. manylinux_2_28_x86_64 (the node's: python3 -c 'import sysconfig; print(sysconfig.get_platform())' and its glibc)" >&2; exit 2; }
+[ -n "$PLATFORM" ] || { echo "wheelhouse.sh: --platform is required, e.g. manylinux_2_28_x86_64 (on the node: python3 -c 'import sysconfig; print(sysconfig.get_platform())' for the machine, ldd --version for the glibc)" >&2; exit 2; }
 if [ -e "$DIR" ] && [ -n "$(ls -A "$DIR")" ]; then
     echo "wheelhouse.sh: $DIR exists and is not empty: give a new or empty folder" >&2; exit 2
 fi
 PY=${PYTHON:-python3}
-mkdir -p "$DIR"
-DIR=$(cd "$DIR" && pwd)
+command -v "$PY" >/dev/null 2>&1 || { echo "wheelhouse.sh: no $PY: PYTHON=/path/to/python3 names the builder" >&2; exit 2; }
+"$PY" -c "import pip" 2>/dev/null || { echo "wheelhouse.sh: $PY has no pip: PYTHON=/path/to/python3 names a builder that has" >&2; exit 2; }
 pip_() { "$PY" -m pip --disable-pip-version-check "$@"; }
 here_version=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 cpver=cp${PYVER/./}
@@ -59,10 +64,66 @@ print(",".join(k for k in cfg["options.extras_require"] if k != "plot"))
 PY
 )
 TORCH_STACK='^(torch|torchvision|torchaudio|triton|pytorch-triton|nvidia-.*|cuda-.*)$'
+FAIRSEQ=$(sed -n 's/^[[:space:]]*\(fairseq-fixed==[^[:space:]#;]*\).*/\1/p' setup.cfg | head -1)
 work=$(mktemp -d "${TMPDIR:-/tmp}/wheelhouse.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+building=""  # a build's pid while it runs: ended with this script
+trap '[ -z "$building" ] || kill "$building" 2>/dev/null; rm -rf "$work"' EXIT
 start=$SECONDS
 say() { echo "[wheelhouse $((SECONDS - start)) s] $*"; }
+
+# ---------------------------------------------------------------- before any work: the fairseq build
+# fairseq-fixed compiles against torch: a wheel of it built with another torch than the node's does
+# not load there, and an isolated build would fetch the newest torch. Asked of the index (metadata
+# only): is there a wheel for the target, or in --find-links?
+say "is there a wheel of $FAIRSEQ for Python $PYVER on $PLATFORM? (else it is compiled here)"
+if pip_ install -vv --dry-run --no-deps --ignore-installed --target "$work/probe" --only-binary :all: \
+        "${target[@]}" "${LINKS[@]}" "$FAIRSEQ" >"$work/probe.log" 2>&1; then
+    compile_fairseq=0
+elif grep -q "No matching distribution found" "$work/probe.log" \
+        && ! grep -qE "^Could not fetch URL|Retrying" "$work/probe.log"; then  # (-vv: pip's network errors)
+    compile_fairseq=1
+else
+    echo "wheelhouse.sh: could not ask the index about $FAIRSEQ (is there network?):" >&2
+    grep -E "^Could not fetch URL|^ERROR" "$work/probe.log" | tail -3 >&2
+    exit 1
+fi
+if [ "$compile_fairseq" = 1 ]; then
+    fix="PYTHON=/path/to/python$PYVER with the node's torch${TORCH:+ ($TORCH)}, numpy and cython, or --find-links FOLDER holding a $FAIRSEQ wheel built on the node"
+    [ "$here_version" = "$PYVER" ] || {
+        echo "wheelhouse.sh: $FAIRSEQ has no wheel for Python $PYVER on $PLATFORM and must be compiled here, by a" \
+             "Python $PYVER; $PY is $here_version: $fix" >&2; exit 2; }
+    builder=$("$PY" - "${TORCH}" <<'PY' 2>&1
+import importlib.util, sys
+missing = [m for m in ("torch", "numpy", "Cython") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"it lacks {', '.join(missing)}")
+import torch
+if sys.argv[1] and torch.__version__.split("+")[0] != sys.argv[1]:
+    sys.exit(f"its torch is {torch.__version__}, the node's (--torch) {sys.argv[1]}: fairseq compiled against one "
+             "does not load with the other")
+print(torch.__version__)
+PY
+) || { echo "wheelhouse.sh: $FAIRSEQ must be compiled here, against the node's torch, and $PY cannot: $builder;" \
+            "$fix" >&2; exit 2; }
+    say "$FAIRSEQ will be compiled here by $PY (Python $here_version, torch $builder)$([ -n "$TORCH" ] || echo \
+        "; give --torch, the node's torch version, to check it is the node's")"
+fi
+mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)
+
+with_progress() {  # WHAT LOG COMMAND...: run it, saying every 30 s that it still runs, with its log's last line
+    local what=$1 log=$2 t0=$SECONDS waited; shift 2
+    "$@" >>"$log" 2>&1 &
+    building=$!
+    while kill -0 "$building" 2>/dev/null; do
+        for ((waited = 0; waited < 30; waited++)); do kill -0 "$building" 2>/dev/null && sleep 1 || break; done
+        ! kill -0 "$building" 2>/dev/null || say "$what: $((SECONDS - t0)) s so far ($(tail -n 1 "$log" | cut -c1-100))"
+    done
+    wait "$building"
+    local rc=$?
+    building=""
+    return "$rc"
+}
 
 say "this project as a wheel (built from a copy: the checkout stays as it is)"
 mkdir "$work/src"
@@ -74,12 +135,17 @@ project=$(basename "$(ls "$DIR"/vasso_plugins-*.whl)")
 build_sdist() {  # NAME==VERSION: a wheel from PyPI's source, checked against the target
     local req=$1 before after built
     before=$(ls "$DIR")
+    : >"$work/build.log"
     # the builder's own setuptools, torch, numpy and cython first (fairseq-fixed compiles against
-    # torch: an isolated build would fetch the newest torch), then an isolated build
-    if ! pip_ wheel -q --no-deps --no-build-isolation --no-binary "${req%%==*}" -w "$DIR" "$req" \
-            >"$work/build.log" 2>&1; then
-        pip_ wheel -q --no-deps --no-binary "${req%%==*}" -w "$DIR" "$req" >>"$work/build.log" 2>&1 || {
-            echo "wheelhouse.sh: could not build $req from source:" >&2; tail -20 "$work/build.log" >&2; exit 1; }
+    # torch: an isolated build would fetch the newest torch, so it gets no second try), then an
+    # isolated build
+    if ! with_progress "building $req" "$work/build.log" \
+            "$PY" -m pip --disable-pip-version-check wheel -v --no-deps --no-build-isolation \
+            --no-binary "${req%%==*}" -w "$DIR" "$req"; then
+        if [ "$req" = "$FAIRSEQ" ] || ! with_progress "building $req (isolated)" "$work/build.log" \
+                "$PY" -m pip --disable-pip-version-check wheel -v --no-deps --no-binary "${req%%==*}" -w "$DIR" "$req"; then
+            echo "wheelhouse.sh: could not build $req from source:" >&2; tail -20 "$work/build.log" >&2; exit 1
+        fi
     fi
     after=$(ls "$DIR")
     built=$(comm -13 <(echo "$before") <(echo "$after") | head -1)

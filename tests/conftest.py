@@ -12,12 +12,13 @@ writes) such a change fails the session. Otherwise it is reported at the end of 
 summary and the exit status is left alone, since a user may run the suite while a demo
 or a sweep of theirs writes into the same checkout.
 
-And the guard of the GPU tests: a test that needs a CUDA device carries the ``gpu`` marker
-(setup.cfg), skips without one (tests/helpers/gpu_marker.py: one reason for all), and ``scripts/test_gpu.sh``
-selects the GPU tests by it (``-m gpu``). A test that skips for lack of a GPU without the
-marker fails, so that none is left out of that selection (CI's CPU stages catch it); under
-``VASSO_REQUIRE_GPU=1`` (scripts/test_gpu.sh, where nvidia-smi lists a GPU) a ``gpu`` test
-that skips for lack of one fails too.
+And the guard of the GPU tests: a test that needs a CUDA device carries the ``gpu`` marker,
+one that needs two the ``two_gpus`` marker (setup.cfg); each skips where the machine has fewer
+(tests/helpers/gpu_marker.py: one reason for each), and ``scripts/test_gpu.sh`` selects the GPU
+tests by them. A test that skips for lack of a GPU without its marker fails, so that none is
+left out of that selection (CI's CPU stages catch it); under ``VASSO_REQUIRE_GPU=1``
+(scripts/test_gpu.sh, once it found a GPU) a test that skips for lack of one fails too, except
+a ``two_gpus`` test on a one-GPU node, which is reported as not run.
 
 And the order of the files on CI's two xdist workers (``-n 2 --dist loadfile``: each file on
 one worker, its module and session fixtures built once there): the files that take minutes

@@ -3,61 +3,58 @@ the demo's rounding control (``fairseq_vasso.nmt.demo``, ``--control``).
 
     python FAIRSEQ_VASSO/nmt/nudged_train.py ULPS -- FAIRSEQ_TRAIN_ARGS...
 
-(or ``python -m fairseq_vasso.nmt.nudged_train``; the demo runs it by path, from the
-folder its fairseq-train runs get as ``--user-dir``, so that the fairseq_vasso this
-child imports is that one: fairseq refuses a ``--user-dir`` whose module name is
-already imported from another folder)
-
 runs fairseq-train in this process, as the ``fairseq-train`` console script does, with one
 change: once fairseq's ``Trainer`` holds the freshly initialized model, each of its
-parameters is moved ``ULPS`` times to the next float of its dtype towards +inf
-(``torch.nextafter``). A run resumed from its ``checkpoint_last.pt`` loads the checkpoint's
-weights over the nudged ones, so only a run's start is nudged. ``ULPS`` 0 is stock
-fairseq-train (tests/scripts/test_demo.py checks it bit for bit).
+parameters is moved ``ULPS`` floats up (:func:`fairseq_vasso.hooks.nudge_initial_weights`,
+beside every other patch of fairseq). ``ULPS`` 0 is stock fairseq-train
+(tests/scripts/test_demo.py checks it bit for bit).
+
+``FAIRSEQ_TRAIN_ARGS`` must name the ``--user-dir``. The demo runs this file by path, and
+nothing of ``fairseq_vasso`` is imported here before fairseq imports that user-dir itself
+(``fairseq.utils.import_user_module``, as fairseq-train does): so the run trains with the
+user-dir's fairseq_vasso whatever else the path holds, and fairseq, which refuses a
+``--user-dir`` whose module name is already imported from another folder, accepts it.
 """
 
-import os
+import argparse
 import sys
 
-if __name__ == "__main__" and not __package__:  # run by path: import the fairseq_vasso this file is in
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fairseq_vasso.nmt.recipe import child_argv
-else:
-    from .recipe import child_argv
+USAGE = "usage: python FAIRSEQ_VASSO/nmt/nudged_train.py ULPS -- FAIRSEQ_TRAIN_ARGS... (with --user-dir)"
 
 
-def nudge_up(parameters, ulps):
-    """Moves every tensor of ``parameters`` ``ulps`` floats up (in place, without autograd)."""
-    import torch
-
-    with torch.no_grad():
-        for q in parameters:
-            for _ in range(ulps):
-                q.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))))
+def user_dir_of(train_args):
+    """The value of ``--user-dir`` in fairseq-train's arguments, or None."""
+    for i, arg in enumerate(train_args):
+        if arg == "--user-dir" and i + 1 < len(train_args):
+            return train_args[i + 1]
+        if arg.startswith("--user-dir="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def main(argv=None):
-    first, train_args = child_argv(argv, "fairseq_vasso.nmt.nudged_train", "ULPS")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[1] != "--":
+        raise SystemExit(USAGE)
+    first, train_args = argv[0], argv[2:]
     try:
         ulps = int(first)
         if ulps < 0:
             raise ValueError
     except ValueError:
         raise SystemExit("nudged_train: ULPS must be an integer >= 0, got %r" % first)
+    user_dir = user_dir_of(train_args)
+    if user_dir is None:
+        raise SystemExit("nudged_train: FAIRSEQ_TRAIN_ARGS must name the --user-dir (" + USAGE + ")")
     # fairseq_cli.train first, as the fairseq-train script imports it: it sets up the logging
     # (format, level) on import, which is a no-op once anything else has
+    from fairseq import utils
     from fairseq_cli import train as train_cli
-    from fairseq.trainer import Trainer
 
-    stock_init = Trainer.__init__
+    utils.import_user_module(argparse.Namespace(user_dir=user_dir))  # the user-dir's fairseq_vasso
+    from fairseq_vasso import hooks
 
-    def init_then_nudge(self, cfg, task, model, criterion, *args, **kwargs):
-        stock_init(self, cfg, task, model, criterion, *args, **kwargs)
-        # the model itself (self.model would build a distributed wrapper early); its parameters()
-        # yields a shared tensor (tied embeddings) once, so each weight moves once
-        nudge_up(self._model.parameters(), ulps)
-
-    Trainer.__init__ = init_then_nudge
+    hooks.nudge_initial_weights(ulps)
     sys.argv = ["fairseq-train", *train_args]
     train_cli.cli_main()
     return 0

@@ -621,6 +621,18 @@ def test_count_ops_leaves_views_out():
     assert ops.count == 2 and set(ops.names) == {"aten.add.Tensor", "aten.sum.default"}
 
 
+def test_count_ops_counts_the_bytes_each_op_reads_and_writes():
+    x, y, out = torch.ones(4), torch.ones(4), torch.empty(4)  # 16 bytes each
+    with host.CountOps() as ops:
+        x.add_(y)                          # reads x and y, writes x
+    assert ops.bytes == 48
+    with host.CountOps() as ops:
+        x.copy_(y)                         # reads y, writes x
+        torch._foreach_copy_([x], [y])     # the same, in place, returning nothing
+        torch.mul(x, 2.0, out=out)         # reads x, writes out
+    assert ops.bytes == 3 * 32
+
+
 def test_host_cost_counts_the_optimizers_own_work():
     from plugins.lab.bench.models import TINY_FLOOR_MODEL
 
@@ -628,6 +640,9 @@ def test_host_cost_counts_the_optimizers_own_work():
     for name, row in ops.items():
         assert row["ops"] == sum(row["ops_by_phase"].values()) > 0 and row["base_ops"] > 0
         assert row["passes"] in (1, 2)
+        # the optimizer's own reads and writes, in model sizes: SAM's copy of g_t, the ascent and the
+        # restore alone read and write more than 6; none reads a model's size 60 times
+        assert 6 < row["traffic"] < 60, (name, row)
     # issue 33's goals, on the steps decided on the device (the EMA costs VASSO one kernel, as SAM's
     # copy of g_t): at most 21 ops (SAM) and 26 (VASSO) per step, and one host read with this for-loop
     # base (0 with a fused one: tests/core/test_protocol.py); eVASSO too, its previous ascent kept in a
@@ -640,4 +655,4 @@ def test_host_cost_counts_the_optimizers_own_work():
     assert set(t["ms"]) == {"AdamW", "SAM", "SAM+base", "VASSO", "VASSO+base"}
     assert t["ms"]["VASSO+base"] > t["ms"]["VASSO"] and t["over_adamw"]["VASSO"] > 0
     text = host.render({"date": "d", "cpu": "c", "torch": "t", "threads": 1, "ops": ops, "host": t})
-    assert "| VASSO |" in text and "over foreach AdamW" in text
+    assert "| VASSO |" in text and "over foreach AdamW" in text and "traffic (model sizes)" in text

@@ -1,8 +1,25 @@
 """Small models and data shared by the core tests."""
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugins import SAM, VASSO
+
+
+class Dispatched(TorchDispatchMode):
+    """Records each dispatched op whose name (its overload packet's) is one of ``names``:
+    the names in ``seen``, ``(name, args)`` in ``calls``."""
+
+    def __init__(self, *names: str):
+        super().__init__()
+        self.names, self.seen, self.calls = names, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.names:
+            self.seen.append(name)
+            self.calls.append((name, args))
+        return func(*args, **(kwargs or {}))
 
 
 def make_model(seed: int = 0, dropout: float = 0.0, batchnorm: bool = False) -> torch.nn.Module:
@@ -108,7 +125,7 @@ def decided_on_device(kind: str, dtype=torch.float32) -> bool:
 
 
 def expected_syncs(kind: str, coins, dtype=torch.float32, fused: bool = False):
-    """Host syncs of each step, for the coins drawn (``docs/design.md``, section 7): the host
+    """Host syncs of each step, for the coins drawn (``docs/design.md``, "Where a step is decided"): the host
     path reads once in perturb() and once in descend() (once in all when the coin skips);
     a step decided on the device reads only the base optimizer's verdict (1), or nothing
     where the base takes torch's ``found_inf`` (``fused``: 0), with a GradScaler or without.

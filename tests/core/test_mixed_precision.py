@@ -21,6 +21,7 @@ from plugins.lab.selftest.syncs import cuda_sync_debug_warnings
 from plugins.perturbation import rng_state, second_pass_coin
 from core_helpers import (CountSyncs, build, decided_on_device, expected_syncs, flat, fused_adamw_on, make_batches,
                           make_model, skip_without_cpu_matmul)
+from gpu_numerics import BIT_FOR_BIT, WITHIN_TOLERANCE, comparing
 
 F = torch.nn.functional
 #: the ``gpu`` marker: these cases skip without a CUDA device (tests/conftest.py), scripts/test_gpu.sh runs them
@@ -145,6 +146,7 @@ def two_pass_step(opt, start=2):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("kind", KINDS + ["eSAM"])
+@comparing(WITHIN_TOLERANCE)  # two runs, to 1e-6: TF32 off
 def test_a_scaled_run_with_a_growing_scale_follows_the_unscaled_run(device, api, kind):
     batches = make_batches(8)
     scaler = make_scaler(device, init_scale=2.0 ** 6, growth_interval=1)  # doubles after every step
@@ -158,6 +160,7 @@ def test_a_scaled_run_with_a_growing_scale_follows_the_unscaled_run(device, api,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api", APIS)
+@comparing(BIT_FOR_BIT)  # two runs, torch.equal: cuDNN deterministic
 def test_a_disabled_scaler_is_no_scaler(device, api):
     batches = make_batches(5)
     disabled = make_scaler(device, enabled=False)
@@ -180,6 +183,7 @@ def test_a_disabled_scaler_is_no_scaler(device, api):
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("which", [1, 2], ids=["first-pass", "second-pass"])
 @pytest.mark.parametrize("kind", KINDS)
+@comparing(WITHIN_TOLERANCE)  # two runs, to 1e-6: TF32 off
 def test_an_overflow_skips_the_step_backs_off_once_and_the_run_goes_on(device, api, which, kind):
     batches = make_batches(7)
     probe = build(kind, make_model().parameters(), torch.optim.SGD, lr=0.1)
@@ -255,6 +259,7 @@ def test_an_overflow_decided_on_the_device_is_skipped_counted_and_backed_off_wit
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "eVASSO"])
+@comparing(WITHIN_TOLERANCE)  # two runs, to 1e-6: TF32 off
 def test_clipping_after_unscale_equals_the_unscaled_clipped_run(device, kind):
     batches = make_batches(6)
     scaler = make_scaler(device, init_scale=2.0 ** 12, growth_interval=2)
@@ -267,6 +272,7 @@ def test_clipping_after_unscale_equals_the_unscaled_clipped_run(device, kind):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])
+@comparing(WITHIN_TOLERANCE)  # two runs, to 1e-6: TF32 off
 def test_the_closure_api_clips_h_in_the_second_pass_as_the_explicit_api_does(device, kind):
     """docs/mixed_precision.md: in the closure, ``scaler.unscale_(opt)`` and the clip once
     ``opt.in_second_pass``; step() then finds h_t unscaled and does not unscale it again."""
@@ -295,6 +301,7 @@ def test_the_closure_api_clips_h_in_the_second_pass_as_the_explicit_api_does(dev
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("api, clip", [("closure", None), ("explicit", None), ("explicit", 0.05)])
 @pytest.mark.parametrize("kind", ["eSAM", "eVASSO"])
+@comparing(WITHIN_TOLERANCE)  # two runs, to 1e-6: TF32 off
 def test_a_step_the_coin_skips_takes_g_unscaled_once(device, api, clip, kind):
     batches = make_batches(6)
     scaler = make_scaler(device, init_scale=2.0 ** 12, growth_interval=1)
@@ -354,6 +361,7 @@ def autocast_casts_to(device, dtype) -> bool:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
+@comparing(BIT_FOR_BIT)  # two runs, torch.equal: cuDNN deterministic
 def test_autocast_around_step_gives_the_second_pass_the_first_pass_autocast(device, dtype, kind):
     """``with autocast(): opt.step(closure)`` runs both passes under that autocast, at
     ``x_t`` and at ``x_t + eps_t``: the same run as autocast inside the closure (autocast's

@@ -12,7 +12,7 @@ combinations differ on its gradients, so that the pins below see such a change.
 
 If this test fails after a change of the core, the change moved the numerics. If that is
 intended: say so in the commit message, re-measure what the docs report from them (the
-demo's table in the README's "Results" and docs/translation.md, which a CI check compares
+demo's table in docs/reports/demo.md and the README's results, which a CI check compares
 with a demo run, tests/scripts/test_demo_readme.py), and write the new values below (print
 them with ``python tests/core/test_numerics_pin.py``).
 
@@ -92,7 +92,7 @@ class ManyParts(torch.nn.Module):
 
 
 def _host_path(opt):
-    opt._decide_on_device = False  # every step reads its scalars on the host (docs/design.md, section 7)
+    opt._decide_on_device = False  # every step reads its scalars on the host (docs/design.md, "Where a step is decided")
     return opt
 
 

@@ -1,4 +1,4 @@
-"""Steps decided on the device (plugins/ondevice.py, docs/design.md section 7) against the
+"""Steps decided on the device (plugins/ondevice.py, docs/design.md, "Where a step is decided") against the
 host path they replace: the same training up to float rounding, the same diagnostics, a
 non-finite h_t skipped on the device with its warning arriving, and the layouts users have
 (channels_last, a state dict saved and loaded mid-run, a parameter joining later)."""
@@ -9,27 +9,14 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugins import SAM, VASSO
 from plugins.perturbation import rng_state
-from core_helpers import (backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on,
+from core_helpers import (Dispatched, backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on,
                           make_batches, make_model)
+from gpu_numerics import BIT_FOR_BIT, WITHIN_TOLERANCE, comparing
 
 DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap", "nonfinite", "rho")
-
-
-class Dispatched(TorchDispatchMode):
-    """Records each dispatched op whose name (its overload packet's) is one of ``names``."""
-
-    def __init__(self, *names: str):
-        super().__init__()
-        self.names, self.seen = names, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.names:
-            self.seen.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def train(kind, path, steps=8, base=torch.optim.SGD, model=None, **kw):
@@ -201,6 +188,7 @@ def test_flat_slope_buffers_keep_channels_last():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["ASAM", "adaptive eVASSO"])
+@comparing(WITHIN_TOLERANCE)  # two paths through convolutions, to 1e-5: the same gradients, TF32 off
 def test_asams_geometry_on_the_device_scales_each_element_by_its_own_weight_channels_last_too(kind, device):
     """ASAM's ``T = |x| + eta`` is made over a flat buffer from the parameters' storage-order
     views: element for element it must scale the slope element it belongs to, channels_last
@@ -212,9 +200,8 @@ def test_asams_geometry_on_the_device_scales_each_element_by_its_own_weight_chan
         model, x, y = conv_net_and_batch(device)
         opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
         opt._decide_on_device = path == "device"
-        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):  # the same gradients
-            for _ in range(6):
-                opt.step(closure_for(opt, model, x, y))
+        for _ in range(6):
+            opt.step(closure_for(opt, model, x, y))
         assert (opt._lists.flat_slope is not None) == (path == "device")
         runs[path] = flat(model.parameters())
     torch.testing.assert_close(runs["device"], runs["host"], rtol=1e-5, atol=1e-6)
@@ -222,6 +209,7 @@ def test_asams_geometry_on_the_device_scales_each_element_by_its_own_weight_chan
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+@comparing(WITHIN_TOLERANCE)  # the ascent against rho v / ||v|| from the same slopes, to 1e-4: TF32 off
 def test_the_ascent_moves_each_parameter_along_its_own_slope_channels_last_too(kind, device):
     """The ascent's product is made over the flat slope buffer and added through the
     parameters' 1-D views in storage order (plugins.ondevice.storage_views, Flat.split):
@@ -243,13 +231,12 @@ def test_the_ascent_moves_each_parameter_along_its_own_slope_channels_last_too(k
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM"])
+@comparing(BIT_FOR_BIT)  # two runs of 4 steps through convolutions, torch.equal: cuDNN deterministic
 def test_the_restore_from_one_flat_product_is_the_per_tensor_restore_bit_for_bit(kind, device, monkeypatch):
     """On a GPU the restore makes the ascent's product in one kernel over the flat slope and
     takes it back through the parameters' storage-order views; on the CPU it goes per tensor
     (plugins.ondevice.flat_scratch_is_cheap).  Either way the same parameters, element for
     element, channels_last weights included, step after step, and no product per tensor."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     from plugins import ondevice
 
     runs = {}
@@ -502,12 +489,10 @@ def test_a_flat_scratch_serves_one_use_at_a_time():
         assert again.untyped_storage().nbytes() == 28
 
 
-@pytest.mark.gpu
+@pytest.mark.two_gpus  # on one GPU: reported as not run, with the reason (tests/helpers/gpu_marker.py)
 def test_a_flat_scratch_stays_on_its_own_gpu_whichever_is_current():
     """Some torch versions resize a CUDA storage on the current device (and re-label it there
     at size 0): the scratch of tensors on cuda:1 must stay on cuda:1 while cuda:0 is current."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices")
     from plugins import ondevice
 
     flat = ondevice.Flat([torch.zeros(5, device="cuda:1"), torch.zeros(3, device="cuda:1")])

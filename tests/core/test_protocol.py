@@ -151,7 +151,7 @@ def syncs_per_step(opt, model, batches, **step_kw):
     return own, [c - b for c, b in zip(calls, base_counts)], reads
 
 
-# The documented figures (docs/design.md, section 7): on the host path perturb() 1, descend()
+# The documented figures (docs/design.md, "Where a step is decided"): on the host path perturb() 1, descend()
 # 1; decided on the device, only the base optimizer's verdict (1; 0 where the base takes
 # torch's found_inf, below); the loss gap and the other device-side diagnostics none until
 # read (then 1 for all of them); with fp16/bf16 parameters too (host path: VASSO's ||d_t||

@@ -7,8 +7,13 @@ stock ``fairseq-train`` instead (which destroys no process group): the self-test
 (``fairseq_vasso.nmt.selftest``: 12 updates of ``--optimizer vasso``, ``--cpu`` with CUDA
 hidden), as one process and as 2 gloo ranks.
 
-    PYTHONPATH=$PWD .venv/bin/python tests/distributed/count_exit_aborts.py --runs 30 --busy 4
-    PYTHONPATH=$PWD .venv/bin/python tests/distributed/count_exit_aborts.py --fairseq --runs 20 --busy 2
+    PYTHONPATH=$PWD:$PWD/tests/helpers .venv/bin/python tests/distributed/count_exit_aborts.py --runs 30 --busy 4
+    PYTHONPATH=$PWD:$PWD/tests/helpers .venv/bin/python tests/distributed/count_exit_aborts.py --fairseq --runs 20 --busy 2
+
+``PYTHONPATH`` names the checkout (``fairseq_vasso``) and the test helpers (``ports``, which
+``spawn_helpers`` imports), as pytest's ``pythonpath`` does for the tests; the folder of this
+script, which holds ``spawn_helpers``, is on the path as any script's is.  The ranks run this
+checkout's ``tests/distributed`` (to measure another checkout, run its copy of this script).
 
 An abort is a rank that exits by SIGABRT (-6, "terminate called without an active
 exception"); any other failure is counted apart.  The busy loops are this script's own
@@ -23,7 +28,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {"flat shards, 4 ranks": (4, "flat_cases:every_member", False),
          "FSDP2, 2 ranks": (2, "state_cases:at_any_point", True)}  # True: takes a folder
 FAIRSEQ_CASES = {"fairseq-train, 1 process": (1, None, False), "fairseq-train, 2 gloo ranks": (2, None, False)}
@@ -67,20 +71,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=30, help="runs of each case (default 30)")
     parser.add_argument("--busy", type=int, default=4, help="busy-loop processes beside the ranks (default 4)")
-    parser.add_argument("--repo", default=os.path.dirname(os.path.dirname(HERE)),
-                        help="the checkout whose tests/distributed runs (default: this script's)")
     parser.add_argument("--fairseq", action="store_true", help="count stock fairseq-train's exits instead")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.busy < 0:
         parser.error("--runs must be in [1, inf) and --busy in [0, inf)")
-    repo = os.path.abspath(args.repo)
-    for path in (os.path.join(repo, "tests", "helpers"), os.path.join(repo, "tests", "core"),
-                 os.path.join(repo, "tests", "distributed")):
-        sys.path.insert(0, path)
+    try:
+        import ports  # noqa: F401  (spawn_helpers imports it)
+        if args.fairseq:
+            import fairseq_vasso  # noqa: F401
+    except ImportError as exc:
+        parser.error(f"{exc.name} is not importable: run with PYTHONPATH=$PWD:$PWD/tests/helpers from the "
+                     "repository root (see the usage at the top of this script)")
     from spawn_helpers import run_ranks
 
     if args.fairseq:
-        sys.path.insert(0, repo)
         corpus = tempfile.TemporaryDirectory(prefix="vasso-aborts-")  # binarized once, for every run
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:

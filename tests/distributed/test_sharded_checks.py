@@ -27,12 +27,12 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
     """Counted as tests/core counts syncs, plus the core's blocking collectives (a
     collective whose result the next read takes is that read's wait): a two-pass step
     waits twice and a skipped one once under DDP (where steps decided on the device wait
-    once: docs/design.md, section 7), FSDP2, ZeRO and flat shards the model
+    once: docs/design.md, "Distributed steps"), FSDP2, ZeRO and flat shards the model
     gathers (torch's FSDP1 with ``PartitionGroup(model_gathers=True)``, the members that
     allow it), for every member and both APIs.  Under ZeRO the first two-pass step builds the exchange (a one-time
     set-up, and its second pass shares the owners' parameters); from the next one on,
     perturb()'s one all_gather carries the sums and the owners' ascent directions
-    (docs/design.md, section 7)."""
+    (docs/design.md, "Distributed steps")."""
     settings = set()
     for rank in ranks:
         for (setting, kind, api), steps in rank["host_waits"].items():

@@ -56,7 +56,7 @@ from plugins.lab import pinned_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO)
-                                   for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+                                   for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))
 OUTPUT_LANGS = {"text", "output", "console-output"}
 DOMAINBED = os.path.abspath(os.environ["DOMAINBED_ROOT"]) if os.environ.get("DOMAINBED_ROOT") else None
 
@@ -191,6 +191,10 @@ COMMANDS = classified(
     ("bash scripts/setup_env.sh && .venv/bin/python scripts/demo.py", substitute(
         "scripts/test.sh ran setup_env.sh before pytest; the full demo takes 5 to 18 minutes",
         {"bash scripts/setup_env.sh && ": ""}, append=TINY_DEMO, timeout=600, expect=("BLEU",))),
+    (".venv/bin/pip install --no-build-isolation '.[fairseq,sharding,domainbed,slurm,plot]'", check_only(
+        "it would change the test's environment: pip resolves it from what is installed, without the network",
+        check=".venv/bin/pip install --dry-run --no-index --no-build-isolation '.[fairseq,sharding,domainbed,slurm,plot]'",
+        expect=("Would install vasso-plugins",))),
     ("bash scripts/test.sh -ra", check_only(
         "the test command itself: CI runs it, and this test runs inside it",
         check="bash -n scripts/test.sh")),
@@ -202,9 +206,6 @@ COMMANDS = classified(
                 "criterion = torch.nn.CrossEntropyLoss()\n"
                 "x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))\n",
         expect=("ascent_norm",))),
-    ("python: rng = rng_state()", substitute(
-        "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
-        + "from plugins import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
     (FAIRSEQ_TRAIN, substitute(
         "IWSLT-14 needs a download and the model is GPU-sized: the demo's binarized toy corpus, "
         "a 1+1-layer model of width 32, 2 updates",
@@ -219,11 +220,8 @@ COMMANDS = classified(
         "a download of about 200 MB (tests/domainbed checks the error that names this command)",
         expect=("TerraIncognita",))),
     (DOMAINBED_TRAIN, check_only(GPU_DOMAINBED, domainbed=True, expect=("--test_envs",))),
-    (".venv/bin/python -m domainbed_vasso.sweep launch --data_dir ./data --output_dir sweep/ "
-     "--datasets PACS VLCS OfficeHome TerraIncognita --algorithms ERM SAM GSAM VASSO "
-     "--command_launcher slurm",
-     check_only(GPU_DOMAINBED, domainbed=True, expect=("--command_launcher",))),
-    (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
+
+    # ---- docs/benchmarks.md
     (".venv/bin/vasso-selftest --ranks 2 --json selftest.json", check_only(
         "the whole self-test, 1-2 minutes on 2 cores: tests/selftest runs it (python -m plugins.lab.selftest "
         "--ranks 2 --json ..., the console script's entry point) and checks its report; here its flags parse",
@@ -231,18 +229,33 @@ COMMANDS = classified(
     ("bash scripts/test_gpu.sh", check_only(
         "needs GPUs (without one it refuses, saying so): the script parses",
         check="bash -n scripts/test_gpu.sh")),
-    ("bash scripts/test_gpu.sh --wheelhouse /tmp/vasso-wheels", check_only(
+    ("PYTHON=/path/to/the/nodes/python3 bash scripts/test_gpu.sh --wheelhouse /tmp/vasso-wheels --install-only",
+     check_only("needs a wheelhouse and the node's Python (tests/scripts/test_gpu_offline_install.py rehearses "
+                "it with one it builds): its usage names the flags",
+                check="bash scripts/test_gpu.sh --help", expect=("--install-only", "PYTHON", "--wheelhouse"))),
+    ("PYTHON=/path/to/the/nodes/python3 bash scripts/test_gpu.sh --wheelhouse /tmp/vasso-wheels", check_only(
         "needs GPUs and a wheelhouse (without a GPU it refuses, saying so): its usage names the flags",
         check="bash scripts/test_gpu.sh --help", expect=("--wheelhouse", "--python PATH"))),
-    ("bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.12 --platform manylinux_2_28_x86_64 "
-     "--torch 2.11.0", check_only(
-        "minutes of downloads and a fairseq build for another Python: its usage names the flags",
-        check="bash scripts/wheelhouse.sh --help", expect=("--python-version", "--platform", "--torch"))),
+    ("PYTHON=/path/to/python3.12 bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.12 "
+     "--platform manylinux_2_28_x86_64 --torch 2.11.0", check_only(
+        "minutes of downloads and a fairseq build for another Python (tests/scripts/test_wheelhouse_refusals.py "
+        "runs its checks): its usage names the flags",
+        check="bash scripts/wheelhouse.sh --help", expect=("--python-version", "--platform", "--torch", "PYTHON"))),
+    ("PYTHON=/path/to/the/nodes/python3 bash scripts/test_gpu.sh --node-platform", substitute(
+        "this environment's Python stands for the node's",
+        replace={"/path/to/the/nodes/python3": ".venv/bin/python"},
+        expect=("bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.", "--platform manylinux_2_",
+                "--torch "))),
 
-    # ---- docs/design.md
-    ("python: rng = plugins.rng_state()", substitute(
-        "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
-        + "import plugins\n", append=EXPLICIT_CHECK, expect=("stability",))),
+    (".venv/bin/python scripts/benchmark.py", check_only(
+        "about 10 minutes of timing on 2 cores (tests/bench runs its parts): its flags parse",
+        expect=("--quick", "--host-cost"))),
+    (".venv/bin/python scripts/benchmark.py --device cuda --reference-vasso ~/src/VaSSO --reference-sam ~/src/sam "
+     "--markdown gpu.md --json gpu.json", check_only(
+        "needs a GPU and checkouts of the two anchors (tests/bench runs the device benchmark on the CPU): "
+        "these flags parse", expect=("--reference-vasso", "--fail-on-miss"))),
+    (".venv/bin/python -m pytest tests/bench", check_only(
+        COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/bench")),
 
     # ---- docs/migration.md
     ("python: from plugins import rng_state", substitute(
@@ -264,6 +277,10 @@ COMMANDS = classified(
         check=".venv/bin/python -c 'import torch; from plugins import SAM; "
               "m = torch.nn.Linear(2, 1); SAM(m.parameters(), torch.optim.SGD, rho=0.05, lr=0.1, momentum=0.9)'")),
 
+    # ---- docs/torch.md
+    ("python: rng = rng_state()", substitute(
+        "the snippet uses the reader's model, batch, loss and optimizer", prelude=EXPLICIT_PRELUDE
+        + "from plugins import rng_state\n", append=EXPLICIT_CHECK, expect=("stability",))),
     ("python: opt = SAM(model.parameters(), torch.optim.AdamW, rho=0.05, rho_min=0.0, gsam_alpha=0.3,", substitute(
         "the snippet uses the reader's model; the check runs the schedule to its end",
         prelude="import torch\nfrom plugins import SAM\nmodel = torch.nn.Linear(4, 3)\n",
@@ -282,11 +299,6 @@ COMMANDS = classified(
     (".venv/bin/vasso-plot out/sam/results.jsonl out/vasso/results.jsonl "
      "-o domainbed_diagnostics.png --smooth 5",
      check_only("reads two DomainBed trainings' results (the docs' trainings are GPU jobs)")),
-    (".venv/bin/vasso-plot sam.log vasso.log evasso.log -o diagnostics.png",
-     substitute("the logs of the demo's sam and vasso runs stand for the figure's three",
-                {"sam.log vasso.log evasso.log":
-                 "runs/demo/runs/sam/seed1/train.log runs/demo/runs/vasso0.4/seed1/train.log"},
-                needs=(DEMO,))),
     (".venv/bin/python -m plugins.lab.plot.sphere -o adversaries.png --theta 0.4 --seed 0 -n 100", run()),
 
     # ---- docs/distributed.md
@@ -302,7 +314,7 @@ COMMANDS = classified(
         check=".venv/bin/python -m pytest -q --collect-only tests/distributed/test_flat_shards.py -k 2ranks",
         expect=("4/", "test_torch_fsdp1_flat_shards_give_the_one_process_step[2ranks]"))),
 
-    # ---- docs/digits_results.md
+    # ---- docs/reports/digits.md
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
     (".venv/bin/python scripts/digits/experiments.py tradeoff", check_only("about 5 minutes on 2 cores")),
     (".venv/bin/python scripts/digits/experiments.py spectra", check_only("about 5 minutes on 2 cores")),
@@ -312,6 +324,7 @@ COMMANDS = classified(
         COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/digits")),
 
     # ---- docs/domainbed.md
+    (".venv/bin/vasso-domainbed-tables sweep/", check_only(FINISHED_SWEEP)),
     ("git clone https://github.com/facebookresearch/DomainBed /path/to/DomainBed", check_only(
         "network: the test's DomainBed checkout stands for the clone",
         check="test -f {DOMAINBED_ROOT}/domainbed/scripts/train.py", domainbed=True)),

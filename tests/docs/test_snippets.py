@@ -27,7 +27,7 @@ import plugins
 from plugins import SAM, VASSO, rng_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))
 STEPS = 5
 
 
@@ -111,7 +111,7 @@ def readers_namespace():
 
 def reference(model, opt, batches, loss_of, *, replay=True, freeze_bn=True, scaler=None, clip=None,
               scheduler=None, autocast=None):
-    """The host protocol of docs/design.md, section 3, step by step."""
+    """The host protocol of docs/torch.md ("Two ways to take a step"), step by step."""
     cast = (lambda: torch.autocast(autocast, dtype=torch.float16)) if autocast else contextlib.nullcontext
     scale = scaler.scale if scaler is not None else (lambda loss: loss)
     for batch in batches:
@@ -172,7 +172,6 @@ def ce(model, batch):
 CASES = {
     "import torch": ("closure-step", None, ce, {"freeze_bn": False}),
     "rng = rng_state()": ("body", ("opt", _vasso), ce, {}),
-    "rng = plugins.rng_state()": ("body", ("opt", _vasso), ce, {}),
     "from plugins import rng_state": ("body", ("optimizer", _sam), ce, {}),
     "from plugins import SAM": (
         "loop", None, lambda m, b: smooth_crossentropy(m(b[0]), b[1]).mean(), {"replay": False}),

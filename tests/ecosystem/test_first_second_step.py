@@ -1,5 +1,5 @@
 """``first_step`` / ``second_step``: the ecosystem's names for ``perturb`` / ``descend``,
-with every invariant of the explicit API (docs/design.md, section 2)."""
+with every invariant of the explicit API (docs/design.md, "Invariants")."""
 
 import copy
 import warnings

@@ -273,7 +273,7 @@ def test_real_overflow_on_first_pass(toy_data, tmp_path, fs, cpu_half_precision,
         assert trainer.train_step(samples) is None  # fairseq: overflow, update skipped
     # no second pass; under --amp the core decides on the device (no host read of g_t's
     # finiteness: the scaler's verdict joins its own there), so the pass runs, at x_t, and is
-    # lost with the step (docs/design.md, section 7)
+    # lost with the step (docs/design.md, "Where a step is decided")
     assert len(calls) == (2 if mode == "amp" and optimizer != "adam" else 1)
     after = _snapshot(trainer)
     assert after["updates"] == before["updates"] == 1

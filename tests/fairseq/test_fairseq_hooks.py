@@ -93,3 +93,40 @@ def test_equals_forms_are_checked_and_helped(capsys):
     # parse_known and suppress_defaults (fairseq's own keywords) reach the same check
     assert _parse(_BASE + ["--optimizer", "sam", "--rho", "-1"], parse_known=True) == ("exit", 2)
     assert _parse(_BASE + ["--optimizer", "sam", "--rho", "0.2"], suppress_defaults=True)[:3] == ("parsed", "sam", 0.2)
+
+
+def test_the_diagnostics_are_logged_without_a_host_read():
+    """A step decided on the device leaves its diagnostics as device values: the hook logs them
+    into fairseq's meters as they are (fairseq reads them when it prints, at its log
+    interval), with no host sync per update."""
+    import types
+
+    import torch
+    from fairseq.logging import metrics
+
+    from fairseq_vasso import hooks
+    from plugins import VASSO
+    from plugins.lab.selftest.syncs import CountSyncs
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    core = VASSO(model.parameters(), torch.optim.AdamW, rho=0.1, theta=0.4, lr=1e-3)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def closure():
+        core.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        core.step(closure)
+    assert core._lists.flat_slope is not None  # the last step was decided on the device
+    sa = types.SimpleNamespace(last_diagnostics=core.diagnostics, core=core)
+    with metrics.aggregate(new_root=True) as agg:
+        with CountSyncs() as syncs:
+            hooks._log_diagnostics(sa, types.SimpleNamespace(loss_gap=float("nan")))
+        assert syncs.count == 0
+        logged = agg.get_smoothed_values()
+    assert logged["two_pass"] == 1.0
+    assert logged["ascent_norm"] == pytest.approx(0.1, rel=1e-5)

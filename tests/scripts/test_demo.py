@@ -187,7 +187,7 @@ def test_resume_point_is_the_checkpoint_and_its_log_up_to_that_save(tmp_path):
 def test_nudge_up_moves_every_weight_one_float_and_a_shared_one_once():
     import torch
 
-    from fairseq_vasso.nmt.nudged_train import nudge_up
+    from fairseq_vasso.hooks import nudge_up
 
     emb = torch.nn.Embedding(5, 3)
     out = torch.nn.Linear(3, 5, bias=True)

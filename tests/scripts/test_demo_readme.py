@@ -1,17 +1,18 @@
-"""The README's demo table is the code's, exactly: CI runs a demo subset (SAM, seed 1, the
-demo's settings and 320 updates, no rounding control; one fairseq-train run, about 2 minutes
-on 2 idle cores) and compares its numbers with those the README's "Results" shows for that
-run: SAM's seed-1 BLEU in the table, and the rounding control's "SAM s1" row (BLEU,
-sacreBLEU, last valid loss, loss gap, stability).
+"""The demo's report is the code's, exactly: CI runs a demo subset (SAM, seed 1, the demo's
+settings and 320 updates, no rounding control; one fairseq-train run, about 2 minutes on 2
+idle cores) and compares its numbers with those docs/reports/demo.md shows for that run:
+SAM's seed-1 BLEU in the table, and the rounding control's "SAM s1" row (BLEU, sacreBLEU,
+last valid loss, loss gap, stability). The README's results table shows the report's, cell
+for cell.
 
 The demo is deterministic for a given torch build: every run on a fixed number of threads
 (the same numbers on 2 cores or 64), with the CPU kernels pinned (plugins.lab.pinned_kernels:
-the same numbers on every x86-64 CPU with AVX2, AVX512 ones included). The README names the
-commit, the torch and the CPU kernels its table was measured with; with another torch, or
-where the kernels cannot be pinned (another architecture, a CPU without AVX2), the test
-skips, saying so, since the kernels may round otherwise. A change that moves these numbers
-(of the core's rounding, of fairseq_vasso, of the demo's settings) must re-run the demo and
-update the README's table with them (docs/translation.md, "The result").
+the same numbers on every x86-64 CPU with AVX2, AVX512 ones included). The report's
+environment line names the commit, the torch and the CPU kernels its table was measured
+with; with another torch, or where the kernels cannot be pinned (another architecture, a CPU
+without AVX2), the test skips, saying so, since the kernels may round otherwise. A change
+that moves these numbers (of the core's rounding, of fairseq_vasso, of the demo's settings)
+must re-run the demo and replace the report's tables and the README's with them.
 """
 
 import json
@@ -24,37 +25,69 @@ import torch
 from plugins.lab import pinned_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPORT = os.path.join(REPO, "docs", "reports", "demo.md")
 PROVENANCE = re.compile(r"measured at commit ([0-9a-f]{7,40}), torch (\S+), CPU kernels (\w+ \(pinned\)|\w+)")
 
 
-def readme_demo():
-    """(commit, torch, CPU kernels, SAM's per-seed BLEU cell, the rounding control's SAM s1 cells) of the README."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    section = text[text.index("**The demo**"):]
-    section = section[:section.index("\n**", 1)]
-    commit, torch_version, cpu = PROVENANCE.search(section).groups()
-    rows = {l.split(" | ")[0].strip("| "): [c.strip() for c in l.strip().strip("|").split("|")]
-            for l in section.splitlines() if l.startswith("| ")}
-    return commit, torch_version, cpu, rows["SAM"][2], rows["SAM s1"][1:]
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _table(text, head):
+    """{first cell: [cells]} of the markdown table whose header row starts with ``head``, and its header."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(head))
+    header = [c.strip() for c in lines[start].strip().strip("|").split("|")]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells
+    return header, rows
+
+
+def report_demo():
+    """(commit, torch, CPU kernels, SAM's per-seed BLEU cell, the rounding control's SAM s1 cells) of the report."""
+    text = _read(REPORT)
+    commit, torch_version, cpu = PROVENANCE.search(text).groups()
+    _, methods = _table(text, "| Method |")
+    _, control = _table(text, "| run |")
+    return commit, torch_version, cpu, methods["SAM"][2], control["SAM s1"][1:]
 
 
 def test_the_readme_states_where_its_demo_table_was_measured():
-    commit, torch_version, cpu, per_seed, control = readme_demo()
+    # the README's results link the report, whose environment line says where its table was measured
+    assert "](docs/reports/demo.md)" in _read(os.path.join(REPO, "README.md"))
+    commit, torch_version, cpu, per_seed, control = report_demo()
     assert len(per_seed.split(", ")) == 3 and len(control) == 5
     assert torch_version.startswith("2.")
     # measured with the kernels pinned, so that every x86-64 CPU with AVX2 checks it
     assert cpu == f"{pinned_kernels.CAPABILITY} (pinned)", cpu
 
 
+def test_the_readmes_results_table_is_the_reports():
+    # the README shows some of the report's columns for every method: each cell is the report's
+    readme = _read(os.path.join(REPO, "README.md"))
+    readme = readme[readme.index("## Results"):]
+    header, rows = _table(readme, "| Method |")
+    report_header, report_rows = _table(_read(REPORT), "| Method |")
+    assert len(header) >= 3 and set(header) <= set(report_header), header
+    assert rows.keys() == report_rows.keys(), (rows.keys(), report_rows.keys())
+    for method, cells in rows.items():
+        for column, cell in zip(header, cells):
+            assert cell == report_rows[method][report_header.index(column)], (method, column, cell)
+
+
 def test_a_demo_subset_gives_the_readme_numbers_exactly(script, tmp_path):
-    commit, torch_version, cpu, per_seed, control = readme_demo()
+    commit, torch_version, cpu, per_seed, control = report_demo()
     if torch.__version__.split("+")[0] != torch_version.split("+")[0]:
-        pytest.skip(f"the README's demo table was measured with torch {torch_version}; this is torch "
+        pytest.skip(f"the demo's report was measured with torch {torch_version}; this is torch "
                     f"{torch.__version__}, whose kernels may round otherwise")
     why = pinned_kernels.unavailable()
     if why is not None:
-        pytest.skip(f"the README's demo table was measured with the CPU kernels pinned ({cpu}), which cannot "
+        pytest.skip(f"the demo's report was measured with the CPU kernels pinned ({cpu}), which cannot "
                     f"apply here: {why}")
     out = tmp_path / "demo"
     # --cpu: the table was measured on a CPU, and on a GPU host the demo would train there
@@ -67,5 +100,6 @@ def test_a_demo_subset_gives_the_readme_numbers_exactly(script, tmp_path):
     mine = ["%.2f" % run["fairseq_bleu"], "%.2f" % run["sacrebleu"], "%.3f" % run["valid_loss"],
             "%.4f" % run["train_loss_gap"], "%.4f" % run["train_stability"]]
     assert (mine[0], mine) == (per_seed.split(", ")[0], control), (
-        f"the demo gives other numbers than the README's table (measured at {commit}): re-run the demo "
-        "(docs/translation.md) and update the table, saying in the commit what changed them")
+        f"the demo gives other numbers than docs/reports/demo.md (measured at {commit}): re-run the demo "
+        "(docs/translation.md) and replace the report's tables and the README's, saying in the commit what "
+        "changed them")

@@ -158,9 +158,29 @@ def test_the_cost_check_fails_on_a_slow_step(monkeypatch):
     ([0.98, 1.02, 1.05, 1.1, 1.12, 1.14, 1.2, 1.6], "pass"),  # one outlier does not decide
     ([1.3, 1.31, 1.33, 1.35, 1.4, 1.45, 1.5, 1.1], "FAIL"),
     ([float("nan")] * 4, "FAIL"),
+    # a median below 1: VASSO cannot cost less than AdamW's same two passes (a loaded machine's 0.813)
+    ([0.70, 0.72, 0.75, 0.80, 0.826, 0.95, 0.99, 1.05], "noise"),
+    ([0.97, 0.98, 0.99, 0.995, 0.998, 1.01, 1.02, 1.03], "noise"),
+    ([0.97, 0.98, 0.99, 1.0, 1.0, 1.01, 1.02, 1.03], "pass"),  # a median of 1: the update's cost is lost in it
 ])
 def test_the_cost_is_judged_only_where_the_spread_of_its_repeats_allows(ratios, verdict):
     assert checks.cost_verdict(ratios) == verdict
+
+
+def test_a_cost_below_one_is_reported_as_noise_not_as_a_pass(monkeypatch):
+    """The check's figure where the machine's noise outweighs the update's cost: skipped, saying
+    why, with the measured figure (the timing is made up: the check's reading of it is tested)."""
+    from plugins.lab.bench import timing
+
+    ratios = [0.70, 0.72, 0.75, 0.80, 0.826, 0.95, 0.99, 1.05]
+    blocks = {"adamw-2pass": [{"update_median": 0.0100}] * 8, "vasso": [{"update_median": 0.0081}] * 8}
+    monkeypatch.setattr(timing, "interleaved_timing", lambda *a, **k: blocks)
+    monkeypatch.setattr(timing, "paired_ratios", lambda got, a, b: ratios if got is blocks else None)
+    with pytest.raises(checks.Skipped) as skipped:
+        checks.check_cost("cpu")
+    assert str(skipped.value).startswith("too noisy to judge here: the median 0.813 is below 1")
+    assert "noise, not a verdict" in str(skipped.value) and "VASSO / AdamW-2pass 0.813" in skipped.value.figure
+    assert skipped.value.details["verdict"] == "noise"
 
 
 def test_the_ranks_checks_fail_on_ranks_that_use_their_own_shard():

@@ -588,6 +588,8 @@ def render(results: Dict[str, Any]) -> str:
         out += [f"**Interrupted** {results['interrupted']}: what follows is what had finished.", ""]
     if results.get("left_out"):
         out += [f"Left out (no checkout given): {', '.join(ROWS[r][0] for r in results['left_out'])}.", ""]
+    for md, why in results.get("models_left_out", {}).items():
+        out += [f"Left out: the model {md}, which {why}.", ""]
     out += ["### Verdicts (issue 33's goal)", "",
             f"PASS: the 95 % confidence interval (CI) of the median per-round ratio meets the goal; MISS: none of "
             f"it does; too noisy: it straddles the goal (more rounds, `--rounds` or `--seconds`, narrow it); "

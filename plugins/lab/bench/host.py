@@ -28,28 +28,59 @@ from ..selftest.reference import MEMBERS
 from ..selftest.syncs import CountSyncs
 from ..tables import markdown_table
 from .models import BASE_KW, FLOOR_MODEL, RHO, build
-from .phases import OWN, StepPhases, per_phase
+from .phases import OWN, PHASES, StepPhases, per_phase, segments
 from .timing import median, quartiles
 
 #: 50 x [Linear(32, 32), LayerNorm(32)], no head: 200 small tensors
 HOST_MODEL: Dict[str, Any] = dict(FLOOR_MODEL, blocks=50)
 
 
+#: ops that write their first argument without reading it
+_WRITE_ONLY = {"copy_", "_foreach_copy_", "zero_", "_foreach_zero_", "fill_", "_foreach_fill_"}
+
+
+def _tensors(x) -> List[torch.Tensor]:
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _nbytes(tensors: List[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class CountOps(TorchDispatchMode):
     """Every aten op dispatched inside the mode, views and aliases left out (they launch
-    nothing); ``names`` keeps the count per op."""
+    nothing); ``names`` keeps the count per op.  ``bytes``: the memory traffic of those ops,
+    each tensor argument read once (but the first of a copy or fill: only written) and each
+    tensor the op writes (its mutable arguments, ``out=`` included, else what it returns)
+    written once."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.bytes = 0
         self.names: Dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func.namespace == "aten" and not func.is_view:
             self.count += 1
             key = str(func)
             self.names[key] = self.names.get(key, 0) + 1
-        return func(*args, **(kwargs or {}))
+            reads, writes = [], []
+            for i, arg in enumerate(func._schema.arguments):
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                written = arg.alias_info is not None and arg.alias_info.is_write
+                if written:
+                    writes += _tensors(value)
+                if not (written and (arg.name == "out" or (i == 0 and func.overloadpacket.__name__ in _WRITE_ONLY))):
+                    reads += _tensors(value)
+            self.bytes += _nbytes(reads) + _nbytes(writes or _tensors(out))
+        return out
 
 
 def _member(name: str, model: torch.nn.Module, foreach: bool = False):
@@ -80,15 +111,20 @@ def ops_and_syncs(members: Sequence[str] = tuple(MEMBERS), model_cfg: Dict[str, 
         phases = StepPhases(opt, _closure(opt, loss_fn))
         for _ in range(warmup):
             phases.step()
+        model_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
         seen: Dict[int, Dict[str, Any]] = {}
         for _ in range(tries):
             with CountOps() as ops:
-                phases.on_mark = lambda: ops.count
+                phases.on_mark = lambda: (ops.count, ops.bytes)
                 phases.step()
-            op_phases = per_phase(phases.marks)
+            op_phases, bytes_phases = ({p: 0 for p in PHASES}, {p: 0 for p in PHASES})
+            for phase, a, b in segments(phases.marks):
+                op_phases[phase] += b[0] - a[0]
+                bytes_phases[phase] += b[1] - a[1]
             passes = sum(1 for m, _ in phases.marks if m.startswith("pass"))
             seen[passes] = {"ops": int(sum(op_phases[p] for p in OWN)), "base_ops": int(op_phases["base step"]),
-                            "ops_by_phase": {p: int(op_phases[p]) for p in OWN}}
+                            "ops_by_phase": {p: int(op_phases[p]) for p in OWN},
+                            "traffic": sum(bytes_phases[p] for p in OWN) / model_bytes}
             if getattr(opt, "p", 1.0) >= 1.0:
                 break
         with CountSyncs() as syncs:
@@ -178,9 +214,10 @@ def render(res: Dict[str, Any], command: str = "") -> str:
            "Ops: aten ops dispatched in the optimizer's own phases (step start, perturb, descend), views and "
            "aliases not counted; the base AdamW step's (for-loop, torch's CPU default) apart. Syncs: CountSyncs, "
            "the tests' counter.", "",
-           markdown_table(["member", "ops per two-pass step", "perturb / descend / step start",
+           "Traffic: the bytes those ops read and write, in model sizes (the parameters' bytes).", "",
+           markdown_table(["member", "ops per two-pass step", "traffic (model sizes)", "perturb / descend / step start",
                            "ops per one-pass step (coin)", "host syncs", "base step ops", "base step syncs"],
-                          [[m, r["ops"] if r["passes"] == 2 else "n/a",
+                          [[m, r["ops"] if r["passes"] == 2 else "n/a", f"{r['traffic']:.1f}",
                             f"{r['ops_by_phase']['perturb']} / {r['ops_by_phase']['descend']} / "
                             f"{r['ops_by_phase']['step start']}",
                             "" if r["one_pass_ops"] is None else r["one_pass_ops"],

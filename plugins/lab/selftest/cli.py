@@ -20,7 +20,8 @@ reason), time, and the figure measured.
 * DomainBed (when found, as the tests find it: domainbed_vasso's locator): one update of
   DomainBed's VASSO, ``rho = 0`` equal to ERM;
 * cost: VASSO's update over AdamW running the same two passes, on a small transformer,
-  judged only where the spread of its paired repeats allows ("too noisy to judge here").
+  judged only where the spread of its paired repeats allows ("too noisy to judge here"; so is
+  a median below 1, which VASSO cannot cost: noise, not a pass).
 
 Exit status: 0 when nothing failed (skipped checks say why), 1 when a check failed (each
 failing row says in one line what to do), 2 for bad arguments.  ``--json PATH`` writes every figure, the environment and each failure's

@@ -1,6 +1,6 @@
 """The family's step written out from the paper's equations, in float64 on the CPU: the
 reference the core is held to (``tests/core/test_math.py`` and ``vasso-selftest``'s math
-check both use it; docs/design.md, section 1).
+check both use it; docs/design.md, "One step, equation by equation").
 
 Plain SGD is the base optimizer (``x <- x - lr * descent``), so the reference needs no
 state beyond VASSO's moving average; the model is given as a function of its parameters.

@@ -1,5 +1,5 @@
 """Host synchronizations of a step, counted on any device (the CPU included): the counters
-``tests/core`` and ``vasso-selftest`` share (docs/design.md, section 7).  On a GPU,
+``tests/core`` and ``vasso-selftest`` share (docs/design.md, "Where a step is decided").  On a GPU,
 ``vasso-selftest`` and ``tests/core`` also ask torch itself (:func:`cuda_sync_debug_warnings`)."""
 
 import contextlib
