@@ -48,7 +48,7 @@ DTENSOR_PARTITION = ("partition_group must be None for DTensor parameters (FSDP2
 #: The refusal of a second pass without the model under ``partition_group``.
 PARTITION_MODEL = ("partition_group: the second pass needs every parameter at x + eps on every rank, and each "
                    "rank's optimizer holds only its own: pass the model, step(closure, model=model) or "
-                   "second_pass(model, rng), so that the owners can send theirs (docs/design.md, "Distributed steps")")
+                   "second_pass(model, rng), so that the owners can send theirs (docs/design.md, 'Distributed steps')")
 _NONE = (None, None, None)
 
 
