@@ -32,6 +32,21 @@ pipq() {
         2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
 }
 has() { "$py" -c "import $1" >/dev/null 2>&1; }
+# with_progress WHAT COMMAND...: runs COMMAND, with a line every 30 s while it runs (a compile
+# prints nothing for minutes); its exit status is COMMAND's
+with_progress() {
+    local what=$1 began=$SECONDS next=$((SECONDS + 30)) pid; shift
+    "$@" &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        if (( SECONDS >= next )) && kill -0 "$pid" 2>/dev/null; then
+            stage "$what: $((SECONDS - began)) s so far"
+            next=$((next + 30))
+        fi
+    done
+    wait "$pid"
+}
 # "torch X | fairseq Y | python Z" where all three import (one interpreter: each import of
 # torch costs seconds, and scripts/test.sh runs this script before every test command)
 versions() {
@@ -57,8 +72,9 @@ else
     if has fairseq; then
         stage "fairseq present"
     else
-        stage "building fairseq-fixed 0.12.3.1 against this torch (about 3 minutes on 2 idle cores)"
-        pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
+        # measured: 167 s on this project's 2 idle cores, 367 s on 2 cores shared with other jobs
+        stage "building fairseq-fixed 0.12.3.1 against this torch (3 minutes on 2 idle cores, 6 on busy ones)"
+        with_progress "building fairseq-fixed" pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
     fi
     stage "installing this package with its fairseq, domainbed, test, slurm and sharding extras"
     pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm,sharding]"

@@ -25,9 +25,13 @@ one worker, its module and session fixtures built once there): the files that ta
 start first, longest first (``LONGEST_FIRST``), so that neither worker is left with one of them
 at the end while the other idles; the files that share a session fixture which takes minutes
 to build run on the same worker (``SAME_WORKER``), so that it is built once.
+
+And a line when each test file starts (under xdist, whose dots name no file) and one when it
+ends, with its wall time and outcomes (``_FileProgress``): some files take minutes.
 """
 
 import os
+import time
 
 import pytest
 from checkout import REPO, changes, untracked_files
@@ -41,6 +45,10 @@ from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, py
 # A name that no longer exists fails the session (pytest_configure), so that the list follows
 # the files.
 LONGEST_FIRST = [
+    # the README's test command runs every folder in one session: the docs' commands (their own pool
+    # of two, the quick start and the demo) and the Slurm sweeps take minutes; CI runs them apart
+    "tests/docs/test_docs_commands.py",
+    "tests/slurm/test_slurm_sweep.py",
     "tests/scripts/test_demo.py",  # with test_eval_bleu.py (SAME_WORKER): demo_run, a nudged train, a resume
     "tests/scripts/test_demo_readme.py",  # one demo run of 320 updates, its numbers against the README's
     "tests/fairseq/test_fairseq_sharding.py",
@@ -85,6 +93,63 @@ def pytest_configure(config):
     stale = [f for f in LONGEST_FIRST + list(SAME_WORKER) if not os.path.isfile(os.path.join(REPO, f))]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py names test files that do not exist: {stale}")
+    if not hasattr(config, "workerinput") and config.option.verbose >= 0:  # where the terminal is; not with -q
+        config.pluginmanager.register(_FileProgress(config), "vasso-file-progress")
+
+
+class _FileProgress:
+    """Writes ``FILE: started`` when a file's first test starts (under xdist only: pytest names
+    the file itself without it) and ``FILE: N passed, ... in S s`` when its last test ends, on the
+    terminal of the session (xdist's controller forwards its workers' test events)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.xdist = bool(getattr(config.option, "numprocesses", None))
+        self.total, self.done, self.start, self.outcomes = {}, {}, {}, {}
+
+    def _line(self, text):
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            if getattr(getattr(reporter, "_tw", None), "width_of_current_line", 0):
+                reporter.write("\n")  # after xdist's dots, which leave no file open for write_line to end
+            reporter.write_line(text)
+
+    def _count(self, nodeids):
+        if not self.total:  # every xdist worker collects the same tests
+            for nodeid in nodeids:
+                file = nodeid.split("::", 1)[0]
+                self.total[file] = self.total.get(file, 0) + 1
+
+    def pytest_collection_finish(self, session):
+        self._count(item.nodeid for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        self._count(ids)
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        file = nodeid.split("::", 1)[0]
+        if file not in self.start:
+            self.start[file] = time.monotonic()
+            if self.xdist:
+                self._line(f"{file}: started")
+
+    def pytest_runtest_logreport(self, report):
+        outcomes = self.outcomes.setdefault(report.nodeid.split("::", 1)[0], {})
+        if report.failed:
+            outcomes[report.nodeid] = "failed" if report.when == "call" else "error"
+        elif report.when == "call" or report.skipped:
+            outcomes.setdefault(report.nodeid, report.outcome)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        file = nodeid.split("::", 1)[0]
+        self.done[file] = self.done.get(file, 0) + 1
+        if self.done[file] == self.total.get(file):
+            counts = {}
+            for outcome in self.outcomes.get(file, {}).values():
+                counts[outcome] = counts.get(outcome, 0) + 1
+            shown = ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or "no outcome"
+            self._line(f"{file}: {shown} in {time.monotonic() - self.start[file]:.0f} s")
 
 
 def _loadfile(config):

@@ -25,8 +25,9 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    are the same for every run, the seed is fairseq's ``--seed``; and the rounding control
    (``--control``): one more run of SAM seed 1 with every initial weight one float up
    (``fairseq_vasso.nmt.nudged_train``). Every fairseq process runs on ``--threads``
-   torch threads (1), whatever the number of cores, so the same command gives the same
-   numbers on any machine with the same torch build and CPU kind;
+   torch threads (1), whatever the number of cores, with the CPU kernels pinned
+   (``plugins.lab.pinned_kernels``), so the same command gives the same numbers on any
+   x86-64 machine with AVX2 and the same torch build;
 4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s own loop (``fairseq_vasso.nmt.bleu.score``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
@@ -128,13 +129,18 @@ def quiet_children_env(env=None):
 def child_env(threads, env=None, cpu=False):
     """The environment of every process the demo starts (fairseq-train, fairseq-generate):
     ``threads`` torch threads, whatever the number of cores (torch splits its sums by
-    thread, so the count decides the rounding), and quiet_children_env's filters; with
-    ``cpu`` (``--cpu``), no GPU visible (recipe.cpu_only_env: stock fairseq's ``--cpu``
-    still takes its gradient norm through a visible GPU)."""
+    thread, so the count decides the rounding), the CPU kernels pinned where they can be
+    (plugins.lab.pinned_kernels: the same numbers on every x86-64 CPU with AVX2), and
+    quiet_children_env's filters; with ``cpu`` (``--cpu``), no GPU visible
+    (recipe.cpu_only_env: stock fairseq's ``--cpu`` still takes its gradient norm through a
+    visible GPU)."""
     from fairseq_vasso.nmt.recipe import cpu_only_env
+    from plugins.lab import pinned_kernels
 
     env = quiet_children_env(dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads),
                                   MKL_NUM_THREADS=str(threads)))
+    if pinned_kernels.unavailable() is None:
+        env = pinned_kernels.pinned_env(env, threads)
     return cpu_only_env(env) if cpu else env
 
 
@@ -706,7 +712,7 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
     results = {key: r for key, r in results.items() if r is not None}
     ckpt_name = "checkpoint_%s.pt" % args.checkpoint
     cpu = True if args.cpu else None
-    code = provenance()  # of the code these runs start with (each fairseq process imports it as it starts)
+    code = provenance(env)  # of the code these runs start with (each fairseq process imports it as it starts)
     control = ("; and the rounding control: %s seed %d again, every initial weight %d float up"
                % (args.control, args.seeds[0], CONTROL_ULPS)) if args.control != "none" else ""
     log("stage 2/3: training %d runs (%s x seeds %s%s), %d updates each, %d at once, %d thread(s) each; each "
@@ -795,11 +801,13 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
     return results
 
 
-def provenance():
+def provenance(env):
     """What a run's numbers depend on besides the demo's settings: the code (commit, when the
-    demo runs from a git checkout), the torch build and the CPU kind torch's kernels were
-    chosen for."""
+    demo runs from a git checkout), the torch build and the CPU kernels of the processes
+    started with ``env`` (torch's CPU capability there, and whether child_env pinned them)."""
     import torch
+
+    from plugins.lab import pinned_kernels
 
     here = os.path.dirname(os.path.abspath(__file__))
     try:
@@ -810,7 +818,8 @@ def provenance():
     except (OSError, subprocess.SubprocessError):
         commit = dirty = None
     return {"commit": commit, "commit_dirty": dirty, "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_capability": pinned_kernels.capability(env),
+            "cpu_kernels_pinned": all(env.get(k) == v for k, v in pinned_kernels.PINNED.items())}
 
 
 def bleu_command_of(data, ref_file, out, args):
@@ -947,7 +956,8 @@ def summary(args, results, stats, bands, tests):
                      "sacrebleu": r["sacrebleu"], "sentences": r["n"],
                      **{k: _float(st.get(k)) for k, _, _ in SUMMARY_DIAG},
                      "resumed_at": r.get("resumed_at", []),
-                     **{k: r.get(k) for k in ("commit", "commit_dirty", "torch", "cpu_capability")}})
+                     **{k: r.get(k) for k in ("commit", "commit_dirty", "torch", "cpu_capability",
+                                              "cpu_kernels_pinned")}})
     methods = {}
     for m in args.methods:
         done = [s for s in args.seeds if (m, s) in results]
@@ -1042,9 +1052,11 @@ def report(out, args, results, bleu_command):
 
 
 def provenance_line(results):
-    """Where the runs were measured: commit(s), torch, CPU kind (from each result's provenance)."""
+    """Where the runs were measured: commit(s), torch, CPU kernels (from each result's provenance)."""
     def values(key):
-        return sorted({str(r.get(key)) + ("+changes" if key == "commit" and r.get("commit_dirty") else "")
+        suffix = {"commit": lambda r: "+changes" if r.get("commit_dirty") else "",
+                  "cpu_capability": lambda r: " (pinned)" if r.get("cpu_kernels_pinned") else ""}.get(key)
+        return sorted({str(r.get(key)) + (suffix(r) if suffix else "")
                        for r in results.values() if r.get(key) is not None})
     commits, torches, cpus = values("commit"), values("torch"), values("cpu_capability")
     return "measured at commit %s, torch %s, CPU kernels %s" % (

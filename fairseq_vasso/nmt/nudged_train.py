@@ -46,10 +46,12 @@ def main(argv=None):
     user_dir = user_dir_of(train_args)
     if user_dir is None:
         raise SystemExit("nudged_train: FAIRSEQ_TRAIN_ARGS must name the --user-dir (" + USAGE + ")")
-    # fairseq_cli.train first, as the fairseq-train script imports it: it sets up the logging
-    # (format, level) on import, which is a no-op once anything else has
+    # fairseq_cli.train before anything of fairseq, as the fairseq-train script imports it: it
+    # sets up the logging (format, level) on import, which is a no-op once anything has logged
+    # (importing fairseq does), and the demo reads the epochs' stats in fairseq's format
+    from fairseq_cli import train as train_cli  # isort: skip
+
     from fairseq import utils
-    from fairseq_cli import train as train_cli
 
     utils.import_user_module(argparse.Namespace(user_dir=user_dir))  # the user-dir's fairseq_vasso
     from fairseq_vasso import hooks

@@ -16,44 +16,46 @@ demo's table in docs/reports/demo.md and the README's results, which a CI check 
 with a demo run, tests/scripts/test_demo_readme.py), and write the new values below (print
 them with ``python tests/core/test_numerics_pin.py``).
 
-The exact values depend on the torch build and on the CPU kernels torch picks (its CPU
-capability: AVX512, AVX2, ...), one thread here: they are pinned for the torch that
-scripts/setup_env.sh installs (and CI uses) on the CPU kind they were computed on; with
-another torch (CI's compat stage runs tests/core under torch 2.1.2, the floor) or CPU kind,
-the test skips, saying so. The core keeps the float64 combination, the more accurate one
-(docs/design.md).
+The exact values depend on the torch build and on the CPU kernels (torch's CPU capability,
+MKL's code path) and threads. The trajectories run in a new process with the kernels pinned
+(plugins.lab.pinned_kernels: torch's AVX2 kernels, MKL's COMPATIBLE path, one thread), so the
+pins hold on every x86-64 CPU with AVX2, AVX512 ones included, for the torch that
+scripts/setup_env.sh installs (and CI uses); with another torch (CI's compat stage runs
+tests/core under torch 2.1.2, the floor), or where the kernels cannot be pinned (another
+architecture, a CPU without AVX2), the test skips, saying so. The core keeps the float64
+combination, the more accurate one (docs/design.md).
 """
 
 import hashlib
+import json
+import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
 from plugins import SAM, VASSO
+from plugins.lab import pinned_kernels
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # torch.__version__ without a local part ("+cu130", "+cpu": the same CPU kernels)
 PINNED_TORCH = "2.14.1"
-# {CPU capability: {case: (sha256 of the weights after STEPS steps, float.hex of each step's loss)}}
-# computed 2026-11-27 at commit e7c2098 (the core of d4fcd2c), torch 2.14.1+cu130, AMD EPYC (AVX512)
+# {case: (sha256 of the weights after STEPS steps, float.hex of each step's loss)}, under
+# plugins.lab.pinned_kernels (torch's AVX2 kernels, MKL's COMPATIBLE path, one thread), torch 2.14.1
 PINS = {
-    "AVX512": {
-        # the steps decided on the device (plugins.ondevice), computed 2026-11-27: one flat float32
-        # norm and dot instead of the float64 combination of per-part norms
-        "SAM-AdamW": ("b5406779f7f3aa264f79a248cb382d594ed838e4f3c2c4728282691627cdf0c5",
-                      ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.2943920000000p+2", "0x1.3143a40000000p+2",
-                       "0x1.1e43020000000p+2", "0x1.b90d3a0000000p+1", "0x1.4a5fe60000000p+1", "0x1.eeb9ba0000000p+0"]),
-        "VASSO-AdamW": ("308e895a32117ed56f499f15580fafb5096c9208c53fd915218b217a6af89dda",
-                        ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.0dc98a0000000p+2", "0x1.f4262e0000000p+1",
-                         "0x1.f537f00000000p+1", "0x1.828ef40000000p+1", "0x1.7345b80000000p+1", "0x1.b4cec80000000p+1"]),
-        "SAM-AdamW host path": ("595772621c5c9c257e123d7093fb75e40546a6fb6e15fb218dabe6e35ee44805",
-                      ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.29442a0000000p+2", "0x1.3143ca0000000p+2",
-                       "0x1.1d71e80000000p+2", "0x1.7b79200000000p+1", "0x1.2a008c0000000p+1", "0x1.4eaa720000000p+1"]),
-        "VASSO-AdamW host path": ("79c0304039a7e3dc811689b85435acd1fc96f3dce818612a6211e405be9c7164",
-                        ["0x1.2b8af00000000p+1", "0x1.f0e0120000000p+1", "0x1.0dc9740000000p+2",
-                         "0x1.f427a00000000p+1", "0x1.f5384c0000000p+1", "0x1.828f380000000p+1",
-                         "0x1.17a8840000000p+2", "0x1.b36ff40000000p+1"]),
-    },
+    'SAM-AdamW': ('ecbbb1ae63223b5d8005b53ade6094c4b5a717d5d692c72a1c9bfa7d6f77b749',
+        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.2943a60000000p+2', '0x1.3143ec0000000p+2',
+         '0x1.1e4eea0000000p+2', '0x1.bfd85a0000000p+1', '0x1.49492e0000000p+1', '0x1.ed7cd80000000p+0']),
+    'VASSO-AdamW': ('cc391bc65e9f20fb4918b2d919f04cebf3d30733dc17e654da26e6cb29659c98',
+        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.0dc9100000000p+2', '0x1.f428780000000p+1',
+         '0x1.f538bc0000000p+1', '0x1.828ec60000000p+1', '0x1.7092000000000p+1', '0x1.670bb40000000p+1']),
+    'SAM-AdamW host path': ('c0610d8f1ad202042f9905f5515ecdbea3f64962a8db12223b5ba04804622dc3',
+        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.2944460000000p+2', '0x1.31440c0000000p+2',
+         '0x1.1da7880000000p+2', '0x1.7b15a20000000p+1', '0x1.39a0fe0000000p+1', '0x1.30dd5e0000000p+1']),
+    'VASSO-AdamW host path': ('27d2b01c99a980c345eb227e2d58cec1932b54594ed06f31d17e9350865dd4af',
+        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.0dc8f80000000p+2', '0x1.f429f00000000p+1',
+         '0x1.f539140000000p+1', '0x1.828f0e0000000p+1', '0x1.179a760000000p+2', '0x1.b367ac0000000p+1']),
 }
 STEPS = 8
 
@@ -159,24 +161,48 @@ def test_the_model_tells_the_two_combinations_of_a_norm_apart():
     assert differ >= 1
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_the_single_process_trajectory_is_pinned_bit_for_bit(case):
+def pinned_trajectories():
+    """{case: trajectory(case)} of every case, computed by this file in a new process with the
+    CPU kernels pinned (they act when torch loads), and the CPU capability torch reported there."""
+    env = pinned_kernels.pinned_env(dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])))
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, f"the pinned process failed (exit {out.returncode}):\n{out.stderr[-4000:]}"
+    found = json.loads(out.stdout)
+    return {case: tuple(value) for case, value in found["cases"].items()}, found["capability"]
+
+
+@pytest.fixture(scope="module")
+def pinned():
     version = torch.__version__.split("+")[0]
     if version != PINNED_TORCH:
         pytest.skip(f"the pins are for torch {PINNED_TORCH} (scripts/setup_env.sh, CI); this is torch "
                     f"{torch.__version__}, whose kernels may round otherwise")
-    if capability() not in PINS or case not in PINS[capability()]:
-        pytest.skip(f"no pin for CPU capability {capability()} (pinned: {', '.join(sorted(PINS))}): the "
-                    "kernels torch picks for another CPU kind may sum in another order")
-    sha, losses = trajectory(case)
-    pinned_sha, pinned_losses = PINS[capability()][case]
+    why = pinned_kernels.unavailable()
+    if why is not None:
+        pytest.skip(f"the pins are for the pinned CPU kernels, which cannot apply here: {why}")
+    found, capability = pinned_trajectories()
+    assert capability == pinned_kernels.CAPABILITY, (
+        f"torch reported CPU capability {capability} under the pin, not {pinned_kernels.CAPABILITY}")
+    return found
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_single_process_trajectory_is_pinned_bit_for_bit(case, pinned):
+    sha, losses = pinned[case]
+    pinned_sha, pinned_losses = PINS[case]
     first = next((i for i, (a, b) in enumerate(zip(losses, pinned_losses)) if a != b), None)
     assert (sha, losses) == (pinned_sha, pinned_losses), (
         f"{case}: the numerics changed (first loss that differs: step {first}); if intended, announce it in the "
         "commit, re-measure the docs' numbers and update PINS (see this file's docstring)")
 
 
-if __name__ == "__main__":  # prints the values to pin for this torch and CPU
-    print(f"torch {torch.__version__}, CPU capability {capability()}", file=sys.stderr)
-    for name in sorted(CASES):
-        print(f"        {name!r}: {trajectory(name)!r},")
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--json"]:  # pinned_trajectories' process
+        print(json.dumps({"capability": capability(), "cases": {name: trajectory(name) for name in sorted(CASES)}}))
+    else:  # the values to pin for this torch, under the pinned kernels
+        found, cap = pinned_trajectories()
+        print(f"torch {torch.__version__}, CPU capability {cap} (pinned)", file=sys.stderr)
+        for name in sorted(found):
+            print(f"    {name!r}: {found[name]!r},")

@@ -5,12 +5,14 @@ SAM's seed-1 BLEU in the table, and the rounding control's "SAM s1" row (BLEU, s
 last valid loss, loss gap, stability). The README's results table shows the report's, cell
 for cell.
 
-The demo is deterministic for a given torch build and CPU kind (every run on a fixed number
-of threads: the same numbers on 2 cores or 64). The report's environment line names the
-commit, the torch and the CPU kernels its table was measured with; with another torch or CPU
-kind the test skips, saying so, since the kernels may round otherwise. A change that moves
-these numbers (of the core's rounding, of fairseq_vasso, of the demo's settings) must re-run
-the demo and replace the report's tables and the README's with them.
+The demo is deterministic for a given torch build: every run on a fixed number of threads
+(the same numbers on 2 cores or 64), with the CPU kernels pinned (plugins.lab.pinned_kernels:
+the same numbers on every x86-64 CPU with AVX2, AVX512 ones included). The report's
+environment line names the commit, the torch and the CPU kernels its table was measured
+with; with another torch, or where the kernels cannot be pinned (another architecture, a CPU
+without AVX2), the test skips, saying so, since the kernels may round otherwise. A change
+that moves these numbers (of the core's rounding, of fairseq_vasso, of the demo's settings)
+must re-run the demo and replace the report's tables and the README's with them.
 """
 
 import json
@@ -20,9 +22,11 @@ import re
 import pytest
 import torch
 
+from plugins.lab import pinned_kernels
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT = os.path.join(REPO, "docs", "reports", "demo.md")
-PROVENANCE = re.compile(r"measured at commit ([0-9a-f]{7,40}), torch (\S+), CPU kernels (\w+)")
+PROVENANCE = re.compile(r"measured at commit ([0-9a-f]{7,40}), torch (\S+), CPU kernels (\w+ \(pinned\)|\w+)")
 
 
 def _read(path):
@@ -58,7 +62,9 @@ def test_the_readme_states_where_its_demo_table_was_measured():
     assert "](docs/reports/demo.md)" in _read(os.path.join(REPO, "README.md"))
     commit, torch_version, cpu, per_seed, control = report_demo()
     assert len(per_seed.split(", ")) == 3 and len(control) == 5
-    assert torch_version.startswith("2.") and cpu
+    assert torch_version.startswith("2.")
+    # measured with the kernels pinned, so that every x86-64 CPU with AVX2 checks it
+    assert cpu == f"{pinned_kernels.CAPABILITY} (pinned)", cpu
 
 
 def test_the_readmes_results_table_is_the_reports():
@@ -76,13 +82,13 @@ def test_the_readmes_results_table_is_the_reports():
 
 def test_a_demo_subset_gives_the_readme_numbers_exactly(script, tmp_path):
     commit, torch_version, cpu, per_seed, control = report_demo()
-    here = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "unknown"
     if torch.__version__.split("+")[0] != torch_version.split("+")[0]:
         pytest.skip(f"the demo's report was measured with torch {torch_version}; this is torch "
                     f"{torch.__version__}, whose kernels may round otherwise")
-    if here != cpu:
-        pytest.skip(f"the demo's report was measured with torch's {cpu} CPU kernels; this CPU gets {here}, "
-                    "which may sum in another order")
+    why = pinned_kernels.unavailable()
+    if why is not None:
+        pytest.skip(f"the demo's report was measured with the CPU kernels pinned ({cpu}), which cannot "
+                    f"apply here: {why}")
     out = tmp_path / "demo"
     # --cpu: the table was measured on a CPU, and on a GPU host the demo would train there
     script("demo.py", "--out", out, "--cpu", "--methods", "sam", "--seeds", "1", "--control", "none",
@@ -90,6 +96,7 @@ def test_a_demo_subset_gives_the_readme_numbers_exactly(script, tmp_path):
     with open(out / "results.json", encoding="utf-8") as f:
         [run] = json.load(f)["runs"]
     assert (run["method"], run["seed"], run["control"], run["resumed_at"]) == ("sam", 1, False, [])
+    assert "%s (pinned)" % run["cpu_capability"] == cpu and run["cpu_kernels_pinned"], run
     mine = ["%.2f" % run["fairseq_bleu"], "%.2f" % run["sacrebleu"], "%.3f" % run["valid_loss"],
             "%.4f" % run["train_loss_gap"], "%.4f" % run["train_stability"]]
     assert (mine[0], mine) == (per_seed.split(", ")[0], control), (
