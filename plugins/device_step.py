@@ -92,7 +92,7 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: to
     ``pieces`` in the parameters' storage order) becomes ``T^2 v_t / ||T v_t||``, all zeros
     where ``g_t`` was not finite.  Returns ``||T v_t||`` and ``1 / ||T v_t||`` (0 then)."""
     torch._foreach_copy_(pieces, lists.storage_params)  # x_t, flat
-    into.abs_().add_(eta)                           # T, and 1 where the geometry is plain (biases, norms):
+    P.adaptive_scale(into, eta, out=into)           # T, and 1 where the geometry is plain (biases, norms):
     plain = [piece for piece, weight in zip(pieces, lists.mask) if not weight]
     if plain:
         torch._foreach_zero_(plain)

@@ -64,6 +64,7 @@ class StepInFlight:
     kept_grads: Optional[Tuple[list, list]] = None    # first_step(): g_t of a step the coin skipped
     finite: Optional[torch.Tensor] = None             # decided on the device: g_t is finite (0-dim bool)
     found_inf: Optional[torch.Tensor] = None          # decided on the device: the base's verdict (0-dim float)
+    fresh: bool = False                               # decided on the device, with slope buffers made now (d_0 = g_0)
 
 
 class StepLists:

@@ -510,21 +510,28 @@ class SharpnessAware(torch.optim.Optimizer):
     def _decides_on_device(self, step: StepInFlight) -> bool:
         """Whether this step keeps its decisions on the device (:mod:`plugins.device_step`): one
         process or replicas, one device and dtype (float32/64), a GradScaler or none, and a
-        slope buffer for every parameter already (the first step, which makes them, ``d_0 = g_0``
-        from a finite ``g_0``, reads on the host once), and the previous ascent too (made by the
-        first two-pass step) where the stability keeps it (eVASSO, ASAM)."""
+        slope buffer for every parameter already or for none (the first step: made here, and
+        ``d_0 = g_0``, :attr:`StepInFlight.fresh`), and, on a two-pass step where the stability
+        keeps one (eVASSO, ASAM), the previous ascent for all or none (zeros, as the host path's)."""
         if not (self._decide_on_device and step.lists.on_device and self.partition_group is None):
             return False
         dtype = step.lists.params[0].dtype
         if any(g.dtype is not dtype for g in step.grads):
             return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
-        flat = S.flat_buffer(self, step.lists, "slope")
+        own, lists = self._own_state, step.lists
+        fresh = lists.flat_slope is None and not any("slope" in own.get(q, ()) for q in lists.params)
+        if fresh and self.theta is None and not step.two_pass:
+            return True  # SAM keeps no slope before its first ascent: the rule only checks g_t's finiteness
+        if self._buffered_stability() and step.two_pass and (
+                S.flat_buffer(self, lists, "previous_ascent", new=True) is None):
+            return False
+        flat = S.flat_buffer(self, lists, "slope", new=True)
         if flat is None:
             return False
         # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
         # held here, those would stay alive through the second pass (one model's size at the peak)
-        step.previous_slopes = flat.views
-        return not self._buffered_stability() or S.flat_buffer(self, step.lists, "previous_ascent") is not None
+        step.previous_slopes, step.fresh = flat.views, fresh
+        return True
 
     def _perturb_on_device(self, step: StepInFlight) -> bool:
         """:meth:`perturb` with no host read (:func:`plugins.device_step.rule`).  Returns the
@@ -532,8 +539,9 @@ class SharpnessAware(torch.optim.Optimizer):
         then, and :meth:`_descend_on_device` skips the base step on the device)."""
         if step.two_pass:
             self._keep_for_descent(step, step.lists.flat_slope.views)  # x_t for an exact restore, g_t for GSAM
+        theta = 1.0 if step.fresh and self.theta is not None else self.theta  # d_0 = g_0 from zeros, exactly
         finite, slope_norm, inner, ascent = device_step.rule(
-            step, self.theta, adaptive=self.adaptive, eta=self.eta, scalar_stability=self._scalar_stability(),
+            step, theta, adaptive=self.adaptive, eta=self.eta, scalar_stability=self._scalar_stability(),
             buffered_stability=self._buffered_stability())
         step.finite = finite
         zero, one = step.lists.constants()[:2]
@@ -770,6 +778,9 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def abandon(self) -> None:
         """Restore and drop the step in flight without a base step (the host skipped the update)."""
+        step = self._pending
+        if step is not None and step.fresh and not bool(step.finite):  # (one host read, on a first step only)
+            self._forget_slopes(step.lists)
         self.restore()
         self._pending = None
         self.in_second_pass = False
@@ -848,15 +859,27 @@ class SharpnessAware(torch.optim.Optimizer):
             self._gsam_correct(step, second, firsts, h_norm, g_dot_h)  # h_t - alpha g_t^perp
         code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
         read = ondevice.base_step(self.base_optimizer, verdict, code,  # the code, where the host had to read it
-                                  stepped_before=step.lists.base_stepped)
+                                  stepped_before=step.lists.base_stepped and not step.fresh)
         step.lists.base_stepped = step.lists.base_stepped or read == 0
+        if step.fresh and read == 2:  # a non-finite g_0 leaves no slope: d_0 = g_0 at the next step
+            self._forget_slopes(step.lists)
         P.moved_parameters()
         if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
             self._verdicts.send(self._step - 1, code, step.scaled)
             return None
         if read:
             self._skip_nonfinite(ondevice.Verdicts.WHICH[read], step.scaled)
+        else:
+            step.diagnostics["nonfinite"] = 0.0  # read already: reading it costs nothing more
         return read == 0
+
+    def _forget_slopes(self, lists: StepLists) -> None:
+        """Drop the slope buffers a first step made on the device from a non-finite ``g_0``
+        (zeros: the host path writes none)."""
+        for q in lists.params:
+            self._own_state[q].pop("slope", None)
+        lists.buffers.pop("slope", None)
+        lists.flat_slope = None
 
     def _gsam_correct(self, step: StepInFlight, second, firsts, h_norm, g_dot_h) -> None:
         """GSAM's ``h_t - alpha g_t^perp`` on the gradients the second pass made, from the

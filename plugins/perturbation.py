@@ -76,9 +76,9 @@ def rule_(slopes: Tensors, grads: Tensors, theta: Optional[float], norm: Callabl
 # --------------------------------------------------------------------------- geometry
 
 
-def adaptive_scale(param: torch.Tensor, eta: float) -> torch.Tensor:
-    """ASAM's element-wise operator ``T = |x| + eta`` (Kwon et al. 2021)."""
-    return param.detach().abs().add_(eta)
+def adaptive_scale(param: torch.Tensor, eta: float, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ASAM's element-wise operator ``T = |x| + eta`` (Kwon et al. 2021), into ``out`` if given."""
+    return torch.abs(param.detach(), out=out).add_(eta) if out is not None else param.detach().abs().add_(eta)
 
 
 def adaptive_scales(params: Tensors, adaptive_mask: Sequence[bool], eta: float) -> List[torch.Tensor]:

@@ -395,19 +395,24 @@ def last_ascent(values, adaptive: bool) -> Optional[torch.Tensor]:
 _FLAT_ATTRIBUTES = {"slope": "flat_slope", "previous_ascent": "flat_previous_ascent"}
 
 
-def flat_buffer(opt, lists, key: str) -> Optional["ondevice.Flat"]:
+def flat_buffer(opt, lists, key: str, *, new: bool = False) -> Optional["ondevice.Flat"]:
     """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
     selection or an inner product over all of them is one kernel: made once per set of
-    parameters, from the buffers the first steps wrote (None while a parameter has none), for
-    the steps decided on the device (:mod:`plugins.device_step`)."""
+    parameters, for the steps decided on the device (:mod:`plugins.device_step`), from the
+    buffers earlier steps wrote, or, with ``new`` where no parameter has one yet, zeros
+    (None while some parameters have one and others none)."""
     attribute = _FLAT_ATTRIBUTES[key]
     if getattr(lists, attribute) is None:
         own = opt._own_state
         kept = [own[q].get(key) if q in own else None for q in lists.params]
-        if any(v is None for v in kept):
+        missing = sum(v is None for v in kept)
+        if missing and not (new and missing == len(kept)):
             return None
         flat = ondevice.Flat(lists.params)
-        torch._foreach_copy_(flat.views, kept)
+        if missing:
+            flat.flat.zero_()
+        else:
+            torch._foreach_copy_(flat.views, kept)
         for q, v in zip(lists.params, flat.views):
             own[q][key] = v
         # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps

@@ -118,9 +118,9 @@ def coin_seed(p: float, skipped: int = 2) -> int:
 
 
 def decided_on_device(kind: str, dtype=torch.float32) -> bool:
-    """Whether the member's steps are decided on the device (``plugins.ondevice``) once its
-    slope buffers (and the previous ascent, where its stability keeps one) exist: fp32/fp64
-    parameters, a GradScaler or none, every member (``SharpnessAware._decides_on_device``)."""
+    """Whether the member's steps are decided on the device (``plugins.ondevice``), the first
+    included: fp32/fp64 parameters, a GradScaler or none, every member
+    (``SharpnessAware._decides_on_device``)."""
     return dtype in (torch.float32, torch.float64)
 
 
@@ -128,20 +128,28 @@ def expected_syncs(kind: str, coins, dtype=torch.float32, fused: bool = False):
     """Host syncs of each step, for the coins drawn (``docs/design.md``, "Where a step is decided"): the host
     path reads once in perturb() and once in descend() (once in all when the coin skips);
     a step decided on the device reads only the base optimizer's verdict (1), or nothing
-    where the base takes torch's ``found_inf`` (``fused``: 0), with a GradScaler or without.
-    The device path starts once the slope buffers exist: after the first two-pass step."""
-    return [(0 if fused else 1) if device else 2 if two_pass else 1
-            for two_pass, device in zip(coins, steps_on_device(kind, coins, dtype))]
+    where the base takes torch's ``found_inf`` (``fused``: 0), with a GradScaler or without,
+    but for the base's first step (a fused base makes its state before it looks at
+    ``found_inf``) and the step that makes the slope buffers (a non-finite ``g_0`` leaves none):
+    those read the verdict (1)."""
+    out = []
+    for t, (two_pass, device, makes) in enumerate(zip(coins, steps_on_device(kind, coins, dtype),
+                                                      makes_slopes(kind, coins))):
+        out.append(((0 if fused and t > 0 and not makes else 1) if device else 2 if two_pass else 1))
+    return out
 
 
 def steps_on_device(kind: str, coins, dtype=torch.float32):
-    """Which steps are decided on the device: those after the first two-pass step (which
-    makes the slope buffers), for a member and setting that :func:`decided_on_device`."""
-    out, have_slopes = [], False
-    for two_pass in coins:
-        out.append(have_slopes and decided_on_device(kind, dtype))
-        have_slopes = have_slopes or two_pass
-    return out
+    """Which steps are decided on the device: every one, for a member and setting that
+    :func:`decided_on_device`."""
+    return [decided_on_device(kind, dtype)] * len(coins)
+
+
+def makes_slopes(kind: str, coins):
+    """Which step makes the slope buffers: VASSO's first (``d_t`` is updated on every step),
+    SAM's first two-pass one (its slope is the last ascent's ``g_t``)."""
+    first = 0 if VARIANTS[kind][0] is VASSO else next((t for t, tp in enumerate(coins) if tp), None)
+    return [t == first for t in range(len(coins))]
 
 
 def fused_adamw_on(device: str = "cpu"):

@@ -44,12 +44,12 @@ PINNED_TORCH = "2.14.1"
 # {case: (sha256 of the weights after STEPS steps, float.hex of each step's loss)}, under
 # plugins.lab.pinned_kernels (torch's AVX2 kernels, MKL's COMPATIBLE path, one thread), torch 2.14.1
 PINS = {
-    'SAM-AdamW': ('ecbbb1ae63223b5d8005b53ade6094c4b5a717d5d692c72a1c9bfa7d6f77b749',
-        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.2943a60000000p+2', '0x1.3143ec0000000p+2',
-         '0x1.1e4eea0000000p+2', '0x1.bfd85a0000000p+1', '0x1.49492e0000000p+1', '0x1.ed7cd80000000p+0']),
-    'VASSO-AdamW': ('cc391bc65e9f20fb4918b2d919f04cebf3d30733dc17e654da26e6cb29659c98',
-        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.0dc9100000000p+2', '0x1.f428780000000p+1',
-         '0x1.f538bc0000000p+1', '0x1.828ec60000000p+1', '0x1.7092000000000p+1', '0x1.670bb40000000p+1']),
+    'SAM-AdamW': ('6b930302130d80f0fff5dc4d75cff5a072522b9207b95d72330976379570a942',
+        ['0x1.2b8af00000000p+1', '0x1.f0df4a0000000p+1', '0x1.2944240000000p+2', '0x1.3143940000000p+2',
+         '0x1.1f19d40000000p+2', '0x1.b3fd840000000p+1', '0x1.498ad60000000p+1', '0x1.f4e9a20000000p+0']),
+    'VASSO-AdamW': ('f4046351d5d1188854e07f0019d40001809e117edb9f61e1caf5c410d53af8f4',
+        ['0x1.2b8af00000000p+1', '0x1.f0df4a0000000p+1', '0x1.0dc8e20000000p+2', '0x1.f429980000000p+1',
+         '0x1.f539120000000p+1', '0x1.828ee00000000p+1', '0x1.180c580000000p+2', '0x1.b3459c0000000p+1']),
     'SAM-AdamW host path': ('c0610d8f1ad202042f9905f5515ecdbea3f64962a8db12223b5ba04804622dc3',
         ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.2944460000000p+2', '0x1.31440c0000000p+2',
          '0x1.1da7880000000p+2', '0x1.7b15a20000000p+1', '0x1.39a0fe0000000p+1', '0x1.30dd5e0000000p+1']),

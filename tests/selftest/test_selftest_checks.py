@@ -43,7 +43,8 @@ def _mutant_coin(monkeypatch):
 
 
 def _mutant_adaptive(monkeypatch):
-    monkeypatch.setattr(P, "adaptive_scale", lambda param, eta: param.detach().abs())
+    stock = P.adaptive_scale
+    monkeypatch.setattr(P, "adaptive_scale", lambda param, eta, **kw: stock(param, 0.0, **kw))
 
 
 MATH_MUTANTS = {"ascent scale x1.01": (_mutant_ascent_scale, "SAM"),
@@ -271,7 +272,9 @@ def test_the_domainbed_check_fails_when_rho_zero_is_not_erm(monkeypatch):
     if domainbed_check.domainbed_missing():
         pytest.skip(domainbed_check.domainbed_missing())
     # (the unmutated check passes in test_selftest_command.py's run of the command)
-    monkeypatch.setattr(P, "ascent_scale", lambda rho, norm: 1e-3 / norm)  # moves even at rho = 0
+    stock = P.move_
+    monkeypatch.setattr(P, "move_", lambda params, slopes, scale, *, rho=1.0: stock(
+        params, slopes, scale or 1e-3, rho=rho))  # moves even at rho = 0 (the scale, or rho as it)
     with pytest.raises(checks.CheckFailed) as failed:
         domainbed_check.check_domainbed("cpu")
     assert "rho=0" in failed.value.figure and failed.value.details["rho0_tensors_differing_from_erm"]
