@@ -779,9 +779,9 @@ class SharpnessAware(torch.optim.Optimizer):
     def abandon(self) -> None:
         """Restore and drop the step in flight without a base step (the host skipped the update)."""
         step = self._pending
+        self.restore()
         if step is not None and step.fresh and not bool(step.finite):  # (one host read, on a first step only)
             self._forget_slopes(step.lists)
-        self.restore()
         self._pending = None
         self.in_second_pass = False
 

@@ -12,8 +12,8 @@ import torch
 
 from plugins import SAM, VASSO
 from plugins.perturbation import rng_state
-from core_helpers import (Dispatched, backward_for, build, closure_for, cpu_scaler, first_backward, flat, fused_adamw_on,
-                          make_batches, make_model)
+from core_helpers import (Dispatched, backward_for, build, closure_for, coin_seed, cpu_scaler, first_backward, flat,
+                          fused_adamw_on, make_batches, make_model)
 from gpu_numerics import BIT_FOR_BIT, WITHIN_TOLERANCE, comparing
 
 DIAGNOSTICS = ("two_pass", "ascent_norm", "sharpness", "stability", "loss_gap", "nonfinite", "rho")
@@ -522,3 +522,36 @@ def test_a_flat_scratch_stays_on_its_own_gpu_whichever_is_current():
     assert opt._lists.flat_slope is not None and torch.isfinite(flat(model.parameters())).all()
     with pytest.warns(RuntimeWarning, match="non-finite first-pass gradient at step 4"):
         assert opt.nonfinite_steps == 1
+
+
+@pytest.mark.parametrize("finish", ["descend", "abandon"])
+@pytest.mark.parametrize("kind", ["VASSO", "eVASSO"])
+def test_a_nonfinite_first_gradient_leaves_no_slope_and_the_next_step_starts_d_0(kind, finish):
+    """The first step is decided on the device: it makes the flat slope buffer and averages g_0
+    into it with weight 1.  Where g_0 is not finite, nothing moves and no slope is left, whether
+    the step finishes (its verdict is read) or is abandoned; the next step starts d_0 = g_1,
+    exactly, as the host path does."""
+    model = make_model()
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2, seed=coin_seed(0.5, skipped=0))
+    before = flat(model.parameters())
+    (x0, y0), (x1, y1) = make_batches(2)
+    rng = rng_state()
+    first_backward(model, x0, y0)
+    model[0].weight.grad[0, 0] = float("nan")
+    assert opt.perturb()  # the coin: the second pass is asked for, nothing moved
+    assert opt._lists.flat_slope is not None and torch.equal(flat(model.parameters()), before)
+    if finish == "descend":
+        opt.zero_grad()
+        with opt.second_pass(model, rng):
+            first_backward(model, x0, y0)
+        with pytest.warns(RuntimeWarning, match="non-finite first-pass gradient at step 1"):
+            assert opt.descend() is False
+    else:
+        opt.abandon()
+    assert torch.equal(flat(model.parameters()), before)
+    assert opt._lists.flat_slope is None and all(opt.state[q]["sam_held"]["slope"] == 0 for q in model.parameters())
+    first_backward(model, x1, y1)
+    g1 = [q.grad.clone() for q in model.parameters()]
+    opt.perturb()
+    assert all(torch.equal(opt.state[q]["sam_slope"], g) for q, g in zip(model.parameters(), g1))  # d_0 = g_1
+    opt.abandon()
