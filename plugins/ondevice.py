@@ -28,8 +28,6 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import reductions
-
 __all__ = ["Flat", "storage_views", "dense", "flat_scratch_is_cheap", "total_norm", "check_finite_",
            "takes_found_inf", "base_step", "overflow_into_", "HostCopy", "Verdicts"]
 
@@ -123,7 +121,7 @@ def flat_scratch_is_cheap(t: torch.Tensor) -> bool:
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of a list of tensors as one 0-dim device tensor (no host read): not finite
     iff some element is not (or the sum of squares overflows, as the host path's norm)."""
-    return torch.linalg.vector_norm(torch.stack(reductions.norms(tensors)))
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))))
 
 
 def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> None:
@@ -133,7 +131,7 @@ def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one:
     not on the tensors, whose every element it would rewrite (an unscale by 1) to learn one bit."""
     if not tensors:
         return
-    norms = reductions.norms(tensors)
+    norms = torch._foreach_norm(list(tensors))
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)
     except (NotImplementedError, RuntimeError):  # a torch without it for the device (the CPU's before 2.3)

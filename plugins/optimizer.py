@@ -29,10 +29,10 @@ eVASSO (p < 1)                              ``slope`` + ``previous_ascent`` (onl
 + adaptive geometry                         + ``anchor`` (x_t: T cannot be recomputed
                                             at x_t + eps) + ``previous_ascent``
                                             (diagnostic)
-fp16 / bf16 parameters                      + ``anchor`` (exact restore; on the host
-                                            path VASSO first computes d_t there, so
-                                            that the norm of d_t as rounded rides
-                                            along with the step's one reduction)
+fp16 / bf16 parameters                      + ``anchor`` (exact restore; VASSO first
+                                            computes d_t there, before the step's one
+                                            reduction, so that its norm as rounded
+                                            rides along: no buffer of its own)
 ==========================================  =========================================
 
 The restore of plain geometry with fp32 parameters subtracts the same ``s * v``

@@ -286,7 +286,6 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
         # in the gradients' dtype (the sums are float64): a scalar tensor of another dtype sends
         # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway
         dtype = second_grads[0].dtype
-        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # (a half factor: 3 digits)
         factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq)).to(dtype)
         torch._foreach_mul_(list(second_grads), factor)
         torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), (moved * -alpha).to(dtype)))

@@ -17,8 +17,8 @@ import torch
 
 Tensors = Sequence[torch.Tensor]
 
-__all__ = ["FLAT_BELOW", "FLAT_CHUNK", "LONG_CHUNK", "HALF_CHUNK", "chunk_plan", "Sums", "global_norm", "dot",
-           "long_dot", "long_norm", "norms"]
+__all__ = ["FLAT_BELOW", "FLAT_CHUNK", "LONG_CHUNK", "chunk_plan", "Sums", "global_norm", "dot", "long_dot",
+           "long_norm"]
 
 #: Tensors smaller than this many elements are flattened together (one ``torch.cat``
 #: per chunk), so that a model of many small tensors costs a few kernels instead of
@@ -35,40 +35,20 @@ LONG_CHUNK = 1 << 30
 _NORM, _INNER, _NORM_OF = "norm", "inner", "norm_of"
 
 
-_HALF = (torch.float16, torch.bfloat16)
-#: fp16/bf16 pieces of an inner product are widened to float32 this many elements at a time
-HALF_CHUNK = 1 << 24
-
-
 def long_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``<x, y>`` of two 1-D tensors of any length (0-dim, in their dtype; fp16/bf16 in
-    float32, widened :data:`HALF_CHUNK` elements at a time): one ``torch.dot`` up to
-    :data:`LONG_CHUNK` elements, else the sum of the pieces' dots."""
-    if x.dtype in _HALF:
-        return torch.stack([torch.dot(a.float(), b.float()) for a, b in zip(x.split(HALF_CHUNK),
-                                                                              y.split(HALF_CHUNK))]).sum()
+    """``<x, y>`` of two 1-D tensors of any length (0-dim, in their dtype): one ``torch.dot``
+    up to :data:`LONG_CHUNK` elements, else the sum of the pieces' dots."""
     if x.numel() <= LONG_CHUNK:
         return torch.dot(x, y)
     return torch.stack([torch.dot(a, b) for a, b in zip(x.split(LONG_CHUNK), y.split(LONG_CHUNK))]).sum()
 
 
 def long_norm(x: torch.Tensor) -> torch.Tensor:
-    """``||x||`` of a tensor of any length (0-dim, in its dtype; fp16/bf16 in float32, whose
-    sum of squares does not overflow), in pieces as :func:`long_dot`."""
-    dtype = torch.float32 if x.dtype in _HALF else None
+    """``||x||`` of a tensor of any length (0-dim, in its dtype), in pieces as :func:`long_dot`."""
     if x.numel() <= LONG_CHUNK:
-        return torch.linalg.vector_norm(x, dtype=dtype)
+        return torch.linalg.vector_norm(x)
     flat = x.reshape(-1)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(c, dtype=dtype)
-                                                 for c in flat.split(LONG_CHUNK)]))
-
-
-def norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Each tensor's 2-norm (0-dim), fp16/bf16 ones in float32 (an fp16 norm overflows from 65,504)."""
-    tensors = list(tensors)
-    if tensors and tensors[0].dtype in _HALF:
-        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-    return list(torch._foreach_norm(tensors))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(c) for c in flat.split(LONG_CHUNK)]))
 
 
 def chunk_plan(tensors: Tensors) -> List[List[int]]:

@@ -416,16 +416,14 @@ def test_bf16_parameters_train_and_are_restored_exactly(device, kind):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["VASSO", "eVASSO", "V+G", "adaptive eVASSO"])
 def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_after(monkeypatch, kind, dtype):
-    """On the host path (which sharded fp16/bf16 parameters take: tests/distributed), fp16/bf16
-    VASSO computes d_t before the step's one reduction (in the anchor buffers) so that the norm
-    of d_t as rounded rides along: the same weights, slopes and diagnostics, bit for bit, as
-    updating d_t in place and reading its norm after (the path a CPU model with large tensors
-    takes), a non-finite g_t included."""
+    """fp16/bf16 VASSO computes d_t before the step's one reduction (in the anchor
+    buffers) so that the norm of d_t as rounded rides along: the same weights, slopes and
+    diagnostics, bit for bit, as updating d_t in place and reading its norm after (the
+    path a CPU model with large tensors takes), a non-finite g_t included."""
     skip_without_cpu_matmul(dtype)
     def run():
         model = make_model().to(dtype)
         opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
-        opt._decide_on_device = False  # the host path's two ways to the norm
         syncs, diags = [], []
         for t, (x, y) in enumerate(make_batches(8)):
             def closure():
@@ -559,9 +557,10 @@ def test_a_scaler_must_be_a_grad_scaler():
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("kind", KINDS + ["eSAM"])
 def test_host_syncs_per_step_on_every_path(api, scaled, kind, dtype):
-    """1 per step decided on the device, fp32, bf16 and fp16 parameters alike (SGD cannot take
-    found_inf: its verdict is read, the scaler's own read under a scaler); with or without a
-    scaler, in both APIs; the scaler's own calls add none."""
+    """On the host path (bf16/fp16 parameters) 2 per two-pass step (perturb 1,
+    the finish 1) and 1 per step the coin skips; 1 per step decided on the device (fp32: SGD
+    cannot take found_inf, its verdict is read, the scaler's own read under a scaler); with
+    or without a scaler, in both APIs; the scaler's own calls add none."""
     skip_without_cpu_matmul(dtype)
     model = make_model(dropout=0.1).to(dtype)
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)

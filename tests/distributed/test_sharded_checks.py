@@ -55,14 +55,12 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
 
 
 def test_low_precision_vasso_waits_twice_and_takes_the_norm_of_d_t_as_rounded(ranks):
-    """VASSO with bf16 parameters (d_t rounded to bf16 after its update): DDP's replicas decide
-    on the device, as in fp32, and wait once per step (SGD's verdict; after the first step,
-    which checks the replicas); on FSDP2 and ZeRO d_t is computed before the step's reduction
-    and its norm rides along, so they wait twice per two-pass step, as fp32 does (ZeRO: after
-    its first two-pass step, which builds the exchange).  Against
+    """VASSO with bf16 parameters (d_t rounded to bf16 after its update): d_t is computed
+    before the step's reduction and its norm rides along, so DDP, FSDP2 and ZeRO wait
+    twice per two-pass step, as fp32 does (DDP: after its first step, which checks the
+    replicas; ZeRO: after its first two-pass step, which builds the exchange).  Against
     one process in bf16: ZeRO (every rank computing the whole batch's gradient, as one
-    process does) gives its weights bit for bit (against one process on the host path, which
-    its steps take); DDP and FSDP2 (whose gradients are
+    process does) gives its weights bit for bit; DDP and FSDP2 (whose gradients are
     averaged over the ranks in bf16) to bf16 rounding, with the one-process sharpness (a
     norm over one rank's shard would be ~30% short)."""
     for rank in ranks:
@@ -76,8 +74,7 @@ def test_low_precision_vasso_waits_twice_and_takes_the_norm_of_d_t_as_rounded(ra
                 later = steps[1:] if setting == "DDP" else steps
             assert any(step[1] for step in later), (setting, kind)
             for waits, two_pass, events, *_ in later:
-                expected = 1 if setting == "DDP" else 2 if two_pass else 1
-                assert waits == expected, (setting, kind, waits, two_pass, events)
+                assert waits == (2 if two_pass else 1), (setting, kind, waits, two_pass, events)
             sharpness = [step[3] for step in steps]
             assert sharpness == pytest.approx(ref_sharpness, rel=1e-2, nan_ok=True), (setting, kind)
     for key, (error, _, steps) in ranks[0]["bf16 VASSO"].items():  # the same global values on both
