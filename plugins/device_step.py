@@ -105,16 +105,17 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: to
 
 
 def diagnose(step: StepInFlight, slope_norm: torch.Tensor, inner, ascent, last: Optional[torch.Tensor], *,
-             buffered: bool) -> Optional[torch.Tensor]:
+             buffered: bool, previous: bool = True) -> Optional[torch.Tensor]:
     """The step's diagnostics as the host path gives them, computed only when read
     (:meth:`plugins.diagnostics.Diagnostics.later`), from :func:`rule`'s results and ``last``,
     the last applied ascent (``[rho, ||v||]``, ASAM's ``[rho, ||v||, ||eps||]``,
     :func:`plugins.perturbation.last_ascent_norm`; None: the stability is not tracked).
     Returns the next one, on the device: this ascent where ``g_t`` was finite, else ``last``.
     ``buffered``: ``inner`` is ``<v_t, eps_last>`` (ASAM's ``<eps_t / rho, eps_last>``), else
-    ``<v_t, v_{t-1}>``."""
+    ``<v_t, v_{t-1}>``; ``previous`` False: ``last`` holds no ascent yet (NaN), the stability
+    stays the host's NaN."""
     rho, finite, unit = step.rho, step.finite, step.scale
-    stability = last is not None and inner is not None
+    stability = previous and last is not None and inner is not None
     if last is not None:
         values = [torch.full_like(slope_norm, rho), slope_norm] + ([ascent[1]] if ascent is not None else [])
         applied = torch.where(finite, torch.stack(values), last)
@@ -134,10 +135,13 @@ def diagnose(step: StepInFlight, slope_norm: torch.Tensor, inner, ascent, last: 
             value = P.stability(ascent_norm, last.double(), inner_ascents)
         elif stability:  # from the slope buffer's v_{t-1}
             value = P.stability(ascent_norm, last.double(), inner.double(), scale=unit.double() * rho)
-        taken = torch.stack([torch.ones_like(norm), ascent_norm, sharpness, value, torch.zeros_like(norm)])
-        skipped = torch.stack([torch.zeros_like(norm), nan, nan, nan, torch.ones_like(norm)])
-        return torch.where(finite, taken, skipped)
-    step.diagnostics.later(("two_pass", "ascent_norm", "sharpness", "stability", "nonfinite"), compute)
+        taken = [torch.ones_like(norm), ascent_norm, sharpness] + ([value] if stability else []) + [torch.zeros_like(norm)]
+        skipped = [torch.zeros_like(norm), nan, nan] + ([nan] if stability else []) + [torch.ones_like(norm)]
+        return torch.where(finite, torch.stack(taken), torch.stack(skipped))
+    # without a previous ascent (the first step) the stability stays the host's NaN, so that a
+    # logger skips it without reading the device
+    keys = ("two_pass", "ascent_norm", "sharpness") + (("stability",) if stability else ()) + ("nonfinite",)
+    step.diagnostics.later(keys, compute)
     return applied
 
 

@@ -547,8 +547,10 @@ class SharpnessAware(torch.optim.Optimizer):
         zero, one = step.lists.constants()[:2]
         step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
         if step.two_pass:
+            previous = self._last is not None
             last = self._last_ascent(slope_norm) if self.track_stability else None
-            applied = device_step.diagnose(step, slope_norm, inner, ascent, last, buffered=self._buffered_stability())
+            applied = device_step.diagnose(step, slope_norm, inner, ascent, last, buffered=self._buffered_stability(),
+                                           previous=previous)
             if applied is not None:
                 self._last = applied
             step.kind = Kind.PERTURBED

@@ -50,6 +50,21 @@ def test_the_device_path_trains_as_the_host_path_does(kind, exact_restore):
     assert any(not math.isnan(d["stability"]) for d in dev_diags)
 
 
+@pytest.mark.parametrize("kind", ["SAM", "VASSO", "GSAM", "ASAM"])  # two passes every step
+def test_the_first_steps_stability_is_known_on_the_host_to_be_undefined(kind):
+    # the first step has no eps_{t-1}: its stability is the host's NaN, so that a logger (fairseq's
+    # meters) skips it without reading the device; later steps leave theirs on the device, unread
+    model = make_model()
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
+    stabilities = []
+    for x, y in make_batches(3):
+        opt.step(closure_for(opt, model, x, y), model=model)
+        stabilities.append(opt.diagnostics.unread()["stability"])
+    assert isinstance(stabilities[0], float) and math.isnan(stabilities[0])
+    assert all(torch.is_tensor(s) for s in stabilities[1:]), stabilities
+    assert all(math.isfinite(float(s)) for s in stabilities[1:])
+
+
 def alive_in_second_pass(opt, inner, watched):
     """One ``opt.step(closure)`` over the closure ``inner``: for each second pass, how many of
     the tensors ``watched()`` gives right after the first pass are still alive as it begins
