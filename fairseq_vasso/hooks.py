@@ -740,7 +740,7 @@ def nudge_up(parameters, ulps):
 def nudge_initial_weights(ulps):
     """Once fairseq's ``Trainer`` holds the freshly initialized model, move each of its
     parameters ``ulps`` floats up (:func:`nudge_up`): the demo's rounding control
-    (:mod:`fairseq_vasso.nmt.nudged_train`).  A run resumed from a checkpoint loads its
+    (``scripts/translation/nudged_train.py``).  A run resumed from a checkpoint loads its
     weights over the nudged ones.  It stays installed for the process."""
     hooked_init = Trainer.__init__
 

@@ -1,4 +1,4 @@
-"""The translation tools around the plugin: the demo, BLEU scoring, IWSLT-14
+"""The translation tools around the plugin: BLEU scoring, IWSLT-14
 preparation, the toy corpus, the recipe's rows and the fairseq-train benchmark.
 
 They drive fairseq through its console scripts (subprocesses), so importing them
@@ -13,7 +13,6 @@ module                 what
 ``iwslt14``            IWSLT-14 de-en as fairseq's ``prepare-iwslt14.sh``
 ``bleu``               ``vasso-bleu``: fairseq-generate per checkpoint, BLEU tables
 ``logs``               fairseq's training-log lines as records (``vasso-plot``)
-``demo``               the README's main job (``scripts/demo.py``)
 ``bench``              fairseq-train's cost per update (``scripts/benchmark.py``)
 =====================  ========================================================
 """

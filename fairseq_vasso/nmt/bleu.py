@@ -35,7 +35,7 @@ paper's BLEU beside them. The table is markdown; ``--json`` also writes every nu
 Nothing of an earlier run is overwritten: each checkpoint's fairseq-generate output goes
 to a new folder beside it (``generate-test``, else ``generate-test-2``, ``-3``, ...), and
 ``--out`` / ``--json`` refuse an existing file unless ``--force``. The demo
-(``fairseq_vasso.nmt.demo``) scores with this module's :func:`score` and prints the
+(``scripts/translation/demo.py``) scores with this module's :func:`score` and prints the
 ``vasso-bleu`` command that reproduces its BLEU columns.
 
 Usage::

@@ -1,6 +1,6 @@
 """A small, deterministic German-to-English toy translation corpus.
 
-The demo (``scripts/demo.py``), the benchmark and the tests need a parallel corpus that exists
+The demo (``scripts/translation/demo.py``), the benchmark and the tests need a parallel corpus that exists
 without network access, is the same on every machine, and is rich enough that a
 tiny transformer's BLEU rises well above 0 within a few CPU minutes.  This module
 generates one from a small grammar of real German and English words:

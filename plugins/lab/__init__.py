@@ -4,7 +4,6 @@
   (``scripts/benchmark.py``);
 * :mod:`plugins.lab.plot`: ``vasso-plot`` (diagnostics of fairseq logs and DomainBed
   results; each host's package reads its own format) and the paper's sphere figure;
-* :mod:`plugins.lab.digits`: the digits experiments (``scripts/digits/``);
 * :mod:`plugins.lab.tables`: the one mean ± std and markdown table writer of every tool.
 * :mod:`plugins.lab.pinned_kernels`: the CPU kernels pinned for the numbers the docs state
   exactly (the same bits on every x86-64 CPU with AVX2).

@@ -10,7 +10,7 @@ Each prints a mean ± std table over its seeds (``--seeds``, fixed by default so
 the tables reproduce) beside the paper's table. The paper's numbers are for
 ResNet-18 / WRN-28-10 on CIFAR-10 (and CIFAR-100): compare the trend, not the
 values. ``--json FILE`` also writes every run's numbers. Setup (split, noise, network,
-optimizer, Hessian routine): see ``plugins.lab.digits``. The domain-shift
+optimizer, Hessian routine): see ``digits_study.py`` beside this file. The domain-shift
 experiment (paper tab.domain) runs through DomainBed: ``scripts/domainbed/digits_sweep.sh``.
 
 Defaults: 60 epochs of SGD (momentum 0.9, lr 0.05, cosine decay, weight decay 5e-4,
@@ -27,7 +27,7 @@ import json
 import sys
 import time
 
-from plugins.lab import digits as C
+import digits_study as C
 from plugins.lab.tables import refuse_existing
 
 # --------------------------------------------------------------------- experiments

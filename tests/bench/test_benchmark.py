@@ -232,19 +232,18 @@ def test_tiny_scaler_run_scales_for_real():
     assert "### Loss scaling: a scaled step over an unscaled one" in text and "VASSO scaled / unscaled = " in text
 
 
-@pytest.mark.parametrize("script, argv, flag", [
-    (BENCHMARK, ["--tiny", "--quick", "--json", "EXISTING"], "--json"),
-    (BENCHMARK, ["--tiny", "--markdown", "EXISTING"], "--markdown"),
-    (os.path.join(ROOT, "scripts", "digits", "experiments.py"), ["tradeoff", "--json", "EXISTING"], "--json"),
+@pytest.mark.parametrize("module, argv, flag", [
+    ("plugins.lab.bench.cli", ["--tiny", "--quick", "--json", "EXISTING"], "--json"),
+    ("plugins.lab.bench.cli", ["--tiny", "--markdown", "EXISTING"], "--markdown"),
+    ("experiments", ["tradeoff", "--json", "EXISTING"], "--json"),
 ])
-def test_a_finished_result_is_not_overwritten_without_force(script, argv, flag, tmp_path, capsys):
+def test_a_finished_result_is_not_overwritten_without_force(module, argv, flag, tmp_path, capsys):
     # refused before any work, naming the file and --force (plugins.lab.tables.refuse_existing)
-    import runpy
+    import importlib
     existing = tmp_path / "result.json"
     existing.write_text('{"measured": "an hour ago"}')
-    module = runpy.run_path(script)  # its main(argv), not run
     with pytest.raises(SystemExit) as exc:
-        module["main"]([str(existing) if a == "EXISTING" else a for a in argv])
+        importlib.import_module(module).main([str(existing) if a == "EXISTING" else a for a in argv])
     assert exc.value.code == 2
     assert f"{flag} {existing} exists: give a new file, or --force to overwrite it" in capsys.readouterr().err
     assert existing.read_text() == '{"measured": "an hour ago"}'

@@ -5,7 +5,6 @@ made-up per-round ratios, the runs on the CPU's small sizes for a round or two, 
 profiler's GPU columns on a made-up trace."""
 
 import os
-import runpy
 import sys
 import textwrap
 
@@ -435,7 +434,8 @@ def test_the_real_anchors_step():
 
 @pytest.fixture(scope="module")
 def benchmark_main():
-    return runpy.run_path(BENCHMARK)["main"]
+    from plugins.lab.bench.cli import main
+    return main
 
 
 def _refused(main, argv, capsys):

@@ -2,14 +2,9 @@
 torch alone): the default models are those that need no torchvision, and the report says which
 was left out and why; a model named with --models that needs it is refused, naming the fix."""
 
-import os
-import runpy
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCHMARK = os.path.join(ROOT, "scripts", "benchmark.py")
 
 
 @pytest.fixture
@@ -17,7 +12,8 @@ def without_torchvision(monkeypatch):
     """This process as one where torchvision is not installed (``None`` in sys.modules: no spec,
     and its import raises)."""
     monkeypatch.setitem(sys.modules, "torchvision", None)
-    return runpy.run_path(BENCHMARK)["main"]
+    from plugins.lab.bench.cli import main
+    return main
 
 
 def test_the_default_models_are_those_that_need_no_torchvision(without_torchvision, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The pieces of the digits experiments (plugins.lab.digits, and the recipe
+"""The pieces of the digits experiments (scripts/digits/digits_study.py, and the recipe
 scripts/digits/experiments.py run as a command): data split and label-noise determinism, the Lanczos
 Hessian routine against torch.linalg.eigvalsh, table formatting, and a 1-epoch run of
 each experiment's code path."""
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plugins.lab import digits as C
+import digits_study as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERIMENTS = os.path.join(ROOT, "scripts", "digits", "experiments.py")

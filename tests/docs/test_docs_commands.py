@@ -98,7 +98,7 @@ def classified(*entries):
     return table
 
 
-DEMO = ".venv/bin/python scripts/demo.py"
+DEMO = ".venv/bin/python scripts/translation/demo.py"
 # The demo at test scale: the same pipeline (corpus, Moses, BPE, preprocess, fairseq-train
 # with adam, sam and vasso, fairseq-generate, BLEU, tables, plots) with a tiny model, one
 # seed and 40 updates (4 log lines, which the plotting commands read).
@@ -188,7 +188,7 @@ DIST_EXCERPT = ("an excerpt of scripts/distributed_example.py, which the example
 
 COMMANDS = classified(
     # ---- README.md
-    ("bash scripts/setup_env.sh && .venv/bin/python scripts/demo.py", substitute(
+    ("bash scripts/setup_env.sh && .venv/bin/python scripts/translation/demo.py", substitute(
         "scripts/test.sh ran setup_env.sh before pytest; the full demo takes 5 to 18 minutes",
         {"bash scripts/setup_env.sh && ": ""}, append=TINY_DEMO, timeout=600, expect=("BLEU",))),
     (".venv/bin/pip install --no-build-isolation '.[fairseq,sharding,domainbed,slurm,plot]'", check_only(
@@ -1117,7 +1117,7 @@ def test_an_interrupted_docs_suite_stops_at_once_and_leaves_the_checkout_as_it_w
             # a command leads a process group of its own (a child still between fork and exec
             # shows the suite's command line)
             running = {pid: cmd for pid, cmd in found.items() if pid != suite.pid and cmd != own
-                       and _group_of(pid) == pid and "scripts/demo.py" in cmd}
+                       and _group_of(pid) == pid and "scripts/translation/demo.py" in cmd}
         assert running, f"the suite ended before the demo ran:\n{log.read_text()[-3000:]}"
         os.killpg(suite.pid, signal.SIGINT)
         try:
@@ -1345,7 +1345,7 @@ def repository_paths(rel, top=None):
 
 def test_path_extraction_finds_links_spans_and_commands(tmp_path, monkeypatch):
     doc = ("See [the design](design.md#6-rho) and ![a plot](img/x.png), [a site](https://example.org).\n"
-           "Run `.venv/bin/python scripts/demo.py --out runs/x`, or read `plugins/optimizer.py:12`,\n"
+           "Run `.venv/bin/python scripts/translation/demo.py --out runs/x`, or read `plugins/optimizer.py:12`,\n"
            "`setup.cfg`, `plugins.plot` and `docs/digits/*.json`.\n\n"
            "    bash scripts/domainbed/digits_sweep.sh sweep/digits   # scripts/in_a_comment.sh\n\n"
            "```text\nscripts/only_output.py\n```\n")
@@ -1353,7 +1353,7 @@ def test_path_extraction_finds_links_spans_and_commands(tmp_path, monkeypatch):
     (tmp_path / "docs" / "page.md").write_text(doc)
     monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
     found = [path for path, _ in repository_paths("docs/page.md", top={"scripts", "plugins", "docs", "setup.cfg"})]
-    assert found == ["docs/design.md", "docs/img/x.png", "scripts/demo.py", "plugins/optimizer.py:12",
+    assert found == ["docs/design.md", "docs/img/x.png", "scripts/translation/demo.py", "plugins/optimizer.py:12",
                      "setup.cfg", "scripts/domainbed/digits_sweep.sh", "scripts/in_a_comment.sh"]
 
 

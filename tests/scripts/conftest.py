@@ -34,7 +34,7 @@ def run_script(name, *args, timeout=600, cwd=None, check=True):
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
-    """A scaled-down run of scripts/demo.py (real corpus generation with noisy training targets,
+    """A scaled-down run of scripts/translation/demo.py (real corpus generation with noisy training targets,
     preprocessing, fairseq-train with adam / sam / vasso for seeds 1 and 2, fairseq-generate and
     scoring).
 
@@ -42,7 +42,7 @@ def demo_run(tmp_path_factory):
     fairseq-generate output uses this one run.
     """
     out = tmp_path_factory.mktemp("demo") / "demo"
-    proc = run_script("demo.py", "--out", out, *DEMO_ARGS, timeout=900, cwd=out.parent)  # as a user would: beside it
+    proc = run_script(os.path.join("translation", "demo.py"), "--out", out, *DEMO_ARGS, timeout=900, cwd=out.parent)  # as a user would: beside it
     return str(out), proc.stdout, proc.stderr
 
 

@@ -1,4 +1,4 @@
-"""The demo (fairseq_vasso.nmt.demo, run by scripts/demo.py): the seeded table, the verdicts on
+"""The demo (scripts/translation/demo.py): the seeded table, the verdicts on
 the seed spread, the progress reader and the warning filter handed to child processes, without
 training; then an interrupted demo resumed to the uninterrupted one's table (the end-to-end
 run itself is in test_eval_bleu.py, on the shared demo_run fixture)."""
@@ -14,7 +14,7 @@ import time
 import process_group
 import pytest
 
-from fairseq_vasso.nmt import demo
+import demo
 from plugins.lab.stats import permutation_test
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -258,7 +258,7 @@ def test_bad_arguments_name_the_flag_before_any_work(argv, flag, capsys, tmp_pat
 
 
 def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_run, tmp_path):
-    # the rounding control runs fairseq-train in-process (fairseq_vasso.nmt.nudged_train): with 0 ulps
+    # the rounding control runs fairseq-train in-process (scripts/translation/nudged_train.py): with 0 ulps
     # it must be stock fairseq-train bit for bit, so that the control differs from its run by the nudge alone
     import torch
 
@@ -288,8 +288,8 @@ def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_r
 
     user_dir = recipe.default_user_dir()
     stock, zero, one = (train("stock", [recipe.fairseq_bin("fairseq-train")]),
-                        train("zero", demo.nudged_train_command(user_dir, 0)),
-                        train("one", demo.nudged_train_command(user_dir, 1)))
+                        train("zero", demo.nudged_train_command(0)),
+                        train("one", demo.nudged_train_command(1)))
     assert stock.keys() == zero.keys() == one.keys() and len(stock) > 11
     assert all(torch.equal(stock[k], zero[k]) for k in stock)
     differ = [k for k in stock if not torch.equal(stock[k], one[k])]
@@ -326,7 +326,7 @@ def test_interrupted_demo_stops_at_once_and_resumes_its_runs_from_their_checkpoi
     adamw.mkdir()
     partial = "+ fairseq-train ...\nepoch 001: num_updates=10\n"
     (adamw / "train.log").write_text(partial)
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "demo.py"), "--out", str(out), *demo_args]
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "translation", "demo.py"), "--out", str(out), *demo_args]
     proc = process_group.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         deadline = time.time() + 600

@@ -91,7 +91,7 @@ def test_a_demo_subset_gives_the_readme_numbers_exactly(script, tmp_path):
                     f"apply here: {why}")
     out = tmp_path / "demo"
     # --cpu: the table was measured on a CPU, and on a GPU host the demo would train there
-    script("demo.py", "--out", out, "--cpu", "--methods", "sam", "--seeds", "1", "--control", "none",
+    script(os.path.join("translation", "demo.py"), "--out", out, "--cpu", "--methods", "sam", "--seeds", "1", "--control", "none",
            "--progress-every", 60, timeout=1800, cwd=tmp_path)
     with open(out / "results.json", encoding="utf-8") as f:
         [run] = json.load(f)["runs"]

@@ -1,4 +1,4 @@
-"""vasso-bleu (fairseq_vasso.nmt.bleu) and scripts/demo.py on real fairseq-generate output of tiny
+"""vasso-bleu (fairseq_vasso.nmt.bleu) and scripts/translation/demo.py on real fairseq-generate output of tiny
 models trained by a scaled-down demo run (see conftest.demo_run)."""
 
 import json
@@ -52,7 +52,7 @@ def test_demo_runs_end_to_end(demo_run):
     assert any(l.startswith("| SAM s1, every initial weight 1 float up |") for l in control)
     assert any(l.startswith("| **rounding band** (difference) |") for l in control)
     nudged = os.path.join(out, "control", "sam", "seed1-1ulp")
-    assert "/fairseq_vasso/nmt/nudged_train.py 1 -- " in open(os.path.join(nudged, "train.log"),
+    assert "/scripts/translation/nudged_train.py 1 -- " in open(os.path.join(nudged, "train.log"),
                                                                encoding="utf-8").readline()
     run_rows = [l for l in per_run.splitlines() if l.startswith("| ") and not l.startswith("| Method")]
     assert [tuple(c.strip() for c in l.strip("|").split("|")[:2]) for l in run_rows] == [

@@ -1,6 +1,7 @@
 """The parts of ``scripts/benchmark.py``: the cost of SAM, VASSO and eVASSO over their
 base optimizer (AdamW), measured side by side.
 
+* :mod:`plugins.lab.bench.cli`: the command line, which chooses what each mode runs;
 * :mod:`plugins.lab.bench.models`: the methods and the two models timed (a small
   transformer LM and a deep stack of tiny blocks), built identically per method;
 * :mod:`plugins.lab.bench.timing`: interleaved blocks of updates, timed in parts, and their
@@ -10,7 +11,7 @@ base optimizer (AdamW), measured side by side.
 * :mod:`plugins.lab.bench.report`: the targets' verdicts and the markdown report;
 * :mod:`plugins.lab.bench.device`: the device benchmark (``--device cuda``): every member,
   AdamW with one and two passes and the anchors on ResNet-50 and an IWSLT-sized transformer,
-  CUDA-event times over interleaved rounds, peak memory alone, issue 33's verdicts;
+  CUDA-event times over interleaved rounds, peak memory alone, and their verdicts;
 * :mod:`plugins.lab.bench.anchors`: the authors' VASSO and davda54's SAM, imported from the
   user's checkouts at run time (never copied here);
 * :mod:`plugins.lab.bench.phases`: a step's phases marked from outside the core, read by

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """AdamW vs SAM vs VASSO on a small translation task with noisy training targets, 3 seeds each.
 
-    .venv/bin/python scripts/demo.py        # writes everything under runs/demo/
+    .venv/bin/python scripts/translation/demo.py        # writes everything under runs/demo/
 
 The setting is chosen for a reason (docs/translation.md, "Why this setting"): the
 paper's evidence for VASSO is strongest under label noise (its tab.lbnoise), and a
@@ -24,7 +24,7 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    identical commands (the recipe's settings, scaled down); the corpus and its noise
    are the same for every run, the seed is fairseq's ``--seed``; and the rounding control
    (``--control``): one more run of SAM seed 1 with every initial weight one float up
-   (``fairseq_vasso.nmt.nudged_train``). Every fairseq process runs on ``--threads``
+   (``nudged_train.py`` beside this file). Every fairseq process runs on ``--threads``
    torch threads (1), whatever the number of cores, with the CPU kernels pinned
    (``plugins.lab.pinned_kernels``), so the same command gives the same numbers on any
    x86-64 machine with AVX2 and the same torch build;
@@ -219,7 +219,7 @@ def result_path(out, method, seed, nudged=False):
 
 
 # One training run of the demo; ``nudged``: the rounding control, whose initial weights are
-# each moved CONTROL_ULPS floats up (fairseq_vasso.nmt.nudged_train)
+# each moved CONTROL_ULPS floats up (nudged_train.py beside this file)
 Job = collections.namedtuple("Job", "method seed log nudged")
 CONTROL_ULPS = 1
 
@@ -301,16 +301,16 @@ def train_one(data, job, out, args, user_dir, env, append=False):
     cmd = train_command(data, job.method, job.seed, save_dir, rho=args.rho, max_epoch=0, user_dir=user_dir,
                         extra=extra, settings=settings)
     if job.nudged:  # the same fairseq-train, in a Python that nudges the initial weights first
-        cmd = nudged_train_command(user_dir, CONTROL_ULPS) + cmd[1:]
+        cmd = nudged_train_command(CONTROL_ULPS) + cmd[1:]
     rc = nmt_common.run_logged(cmd, job.log, env=env, append=append)
     return nmt_common.judge_train(rc, job.log)
 
 
-def nudged_train_command(user_dir, ulps):
-    """The command that stands for ``fairseq-train`` in the rounding control: the user-dir's
-    own nudged_train.py, by path (it then imports the fairseq_vasso of ``user_dir``, which
-    fairseq requires of a user-dir's module)."""
-    return [sys.executable, os.path.join(os.path.abspath(user_dir), "nmt", "nudged_train.py"), str(ulps), "--"]
+def nudged_train_command(ulps):
+    """The command that stands for ``fairseq-train`` in the rounding control: nudged_train.py
+    beside this file (it imports nothing of fairseq_vasso before fairseq imports ``user_dir``,
+    which fairseq requires of a user-dir's module)."""
+    return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "nudged_train.py"), str(ulps), "--"]
 
 
 # fairseq-train's line for each save: "Saved checkpoint DIR/checkpoint_best.pt (epoch 5 @ 40 updates, ..."

@@ -1,9 +1,9 @@
 """Shared pieces of the CPU-scale experiments on scikit-learn's bundled UCI digits
 (``sklearn.datasets.load_digits``: 1,797 8x8 grey images, 10 classes, no download).
 
-Used by ``scripts/digits/experiments.py`` (label noise, generalization for
-computation, Hessian spectrum) and its tests. Never imported by the core
-(``import plugins``): it needs numpy, and scikit-learn for the data.
+Used by ``experiments.py`` beside it (label noise, generalization for computation,
+Hessian spectrum) and by tests/digits; not installed with the package: it needs
+numpy, and scikit-learn for the data.
 
 Choices, written down once:
 
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from plugins import SAM, VASSO
 
-from .tables import fmt_mean_std, markdown_table, mean_std
+from plugins.lab.tables import fmt_mean_std, markdown_table, mean_std
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.3

@@ -1,7 +1,7 @@
 """fairseq-train with every initial weight moved up by a number of units in the last place:
-the demo's rounding control (``fairseq_vasso.nmt.demo``, ``--control``).
+the demo's rounding control (``demo.py`` beside this file, ``--control``).
 
-    python FAIRSEQ_VASSO/nmt/nudged_train.py ULPS -- FAIRSEQ_TRAIN_ARGS...
+    python scripts/translation/nudged_train.py ULPS -- FAIRSEQ_TRAIN_ARGS...
 
 runs fairseq-train in this process, as the ``fairseq-train`` console script does, with one
 change: once fairseq's ``Trainer`` holds the freshly initialized model, each of its
@@ -19,7 +19,7 @@ user-dir's fairseq_vasso whatever else the path holds, and fairseq, which refuse
 import argparse
 import sys
 
-USAGE = "usage: python FAIRSEQ_VASSO/nmt/nudged_train.py ULPS -- FAIRSEQ_TRAIN_ARGS... (with --user-dir)"
+USAGE = "usage: python scripts/translation/nudged_train.py ULPS -- FAIRSEQ_TRAIN_ARGS... (with --user-dir)"
 
 
 def user_dir_of(train_args):
