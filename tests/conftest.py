@@ -20,8 +20,8 @@ left out of that selection (CI's CPU stages catch it); under ``VASSO_REQUIRE_GPU
 (scripts/test_gpu.sh, once it found a GPU) a test that skips for lack of one fails too, except
 a ``two_gpus`` test on a one-GPU node, which is reported as not run.
 
-And the order of the files on CI's two xdist workers (``-n 2 --dist loadfile``: each file on
-one worker, its module and session fixtures built once there): the files that take minutes
+And the order of the files on the test command's xdist workers (``--dist loadfile``: each file
+on one worker, its module and session fixtures built once there): the files that take minutes
 start first, longest first (``LONGEST_FIRST``), so that neither worker is left with one of them
 at the end while the other idles; the files that share a session fixture which takes minutes
 to build run on the same worker (``SAME_WORKER``), so that it is built once.
@@ -39,38 +39,37 @@ from checkout import REPO, changes, untracked_files
 from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
 
 
-# The files that took longest on CI's two workers (2026-11-27, each file's tests end to end: a
-# demo, a fairseq-train of 320 updates, ranks training side by side, fairseq's and DomainBed's
-# own suites, the self-test, many commands each importing torch): started first, in this order.
-# A name that no longer exists fails the session (pytest_configure), so that the list follows
-# the files.
+# The files that take longest in the README's test command (seconds on 2 idle cores, each
+# file's tests end to end: the docs' commands on their own pool of two, Slurm's sweeps, the
+# demos, ranks training side by side, fairseq's and DomainBed's own suites, commands that each
+# import torch): started first, in this order. A name that no longer exists fails the session
+# (pytest_configure), so that the list follows the files.
 LONGEST_FIRST = [
-    # the README's test command runs every folder in one session: the docs' commands (their own pool
-    # of two, the quick start and the demo) and the Slurm sweeps take minutes; CI runs them apart
-    "tests/docs/test_docs_commands.py",
-    "tests/slurm/test_slurm_sweep.py",
-    "tests/scripts/test_demo.py",  # with test_eval_bleu.py (SAME_WORKER): demo_run, a nudged train, a resume
-    "tests/scripts/test_demo_readme.py",  # one demo run of 320 updates, its numbers against the README's
-    "tests/fairseq/test_fairseq_sharding.py",
-    "tests/core/test_imports.py",
-    "tests/fairseq/test_fairseq_hooks.py",
-    "tests/fairseq/test_fairseq_own_suite.py",
-    "tests/selftest/test_selftest_command.py",
-    "tests/fairseq/test_fairseq_foreign_warnings.py",
-    "tests/digits/test_digits.py",
-    "tests/fairseq/test_fairseq_fp16.py",
-    "tests/fairseq/test_fairseq_checkpoint.py",
-    "tests/distributed/test_sharded_step.py",
-    "tests/test_gpu_marker.py",
-    "tests/fairseq/test_fairseq_distributed.py",
-    "tests/distributed/test_state_checkpoints.py",
-    "tests/distributed/test_flat_shards.py",
-    # the DomainBed stage's (tests/domainbed, on 2 workers too)
-    "tests/domainbed/test_domainbed_own_suite.py",
-    "tests/domainbed/test_domainbed_end_to_end.py",
-    "tests/domainbed/test_domainbed_entry_points.py",
-    "tests/domainbed/test_domainbed_register.py",
-    "tests/domainbed/test_domainbed_hparam_keys.py",
+    "tests/docs/test_docs_commands.py",  # 417
+    "tests/slurm/test_slurm_sweep.py",  # 338
+    "tests/scripts/test_demo.py",  # 235 with test_eval_bleu.py (SAME_WORKER): demo_run, a nudged train, a resume
+    "tests/scripts/test_demo_readme.py",  # 233: one demo run of 320 updates, its numbers against the report's
+    "tests/fairseq/test_fairseq_sharding.py",  # 174
+    "tests/fairseq/test_fairseq_own_suite.py",  # 122
+    "tests/domainbed/test_domainbed_end_to_end.py",  # 106
+    "tests/domainbed/test_domainbed_own_suite.py",  # 94
+    "tests/selftest/test_selftest_command.py",  # 74
+    "tests/test_gpu_marker.py",  # 58
+    "tests/domainbed/test_domainbed_entry_points.py",  # 58
+    "tests/domainbed/test_domainbed_register.py",  # 50
+    "tests/domainbed/test_domainbed_hparam_keys.py",  # 50
+    "tests/fairseq/test_fairseq_fp16.py",  # 40
+    "tests/distributed/test_sharded_step.py",  # 39
+    "tests/fairseq/test_fairseq_distributed.py",  # 35
+    "tests/distributed/test_sharded_checks.py",  # 27
+    "tests/fairseq/test_fairseq_hooks.py",  # 24
+    "tests/distributed/test_state_checkpoints.py",  # 23
+    "tests/test_test_command.py",  # 22
+    "tests/scripts/test_gpu_offline_install.py",  # 20
+    "tests/bench/test_device.py",  # 19
+    "tests/distributed/test_flat_shards.py",  # 18
+    "tests/fairseq/test_fairseq_foreign_warnings.py",  # 17
+    "tests/digits/test_digits.py",  # 16
 ]
 # Files whose tests share a session fixture of minutes: one worker runs them all, one after the
 # other (tests/scripts/conftest.py's demo_run)
