@@ -5,7 +5,7 @@ UCI digits (1,797 8x8 images, 10 classes, no download), small enough for a CPU s
         --data_dir unused --output_dir sweep_digits/ --command_launcher local \\
         --hparams '{"mlp_width": 128, "mlp_depth": 3, "mlp_dropout": 0.0, "lr": 0.001, "batch_size": 64}'
 
-(``scripts/domainbed/digits_sweep.sh`` runs exactly this and prints the table.)
+(``scripts/digits/digits_sweep.sh`` runs exactly this and prints the table.)
 
 As RotatedMNIST does with MNIST: the images are shuffled once and dealt round-robin
 into the environments, and every image of environment ``i`` is rotated by

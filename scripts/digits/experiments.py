@@ -11,7 +11,7 @@ the tables reproduce) beside the paper's table. The paper's numbers are for
 ResNet-18 / WRN-28-10 on CIFAR-10 (and CIFAR-100): compare the trend, not the
 values. ``--json FILE`` also writes every run's numbers. Setup (split, noise, network,
 optimizer, Hessian routine): see ``digits_study.py`` beside this file. The domain-shift
-experiment (paper tab.domain) runs through DomainBed: ``scripts/domainbed/digits_sweep.sh``.
+experiment (paper tab.domain) runs through DomainBed: ``scripts/digits/digits_sweep.sh``.
 
 Defaults: 60 epochs of SGD (momentum 0.9, lr 0.05, cosine decay, weight decay 5e-4,
 batch 64) on an MLP 64-256-256-10 (``--model cnn``: a small CNN), one torch thread (``--threads``). rho = 0.2 for

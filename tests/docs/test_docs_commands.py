@@ -318,8 +318,8 @@ COMMANDS = classified(
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
     (".venv/bin/python scripts/digits/experiments.py tradeoff", check_only("about 5 minutes on 2 cores")),
     (".venv/bin/python scripts/digits/experiments.py spectra", check_only("about 5 minutes on 2 cores")),
-    ("bash scripts/domainbed/digits_sweep.sh", check_only(
-        "90 DomainBed jobs, about 34 minutes on 2 cores", check="bash -n scripts/domainbed/digits_sweep.sh")),
+    ("bash scripts/digits/digits_sweep.sh", check_only(
+        "90 DomainBed jobs, about 34 minutes on 2 cores", check="bash -n scripts/digits/digits_sweep.sh")),
     (".venv/bin/python -m pytest tests/digits", check_only(
         COLLECT_ONLY, check=".venv/bin/python -m pytest -q --collect-only tests/digits")),
 
@@ -1347,14 +1347,14 @@ def test_path_extraction_finds_links_spans_and_commands(tmp_path, monkeypatch):
     doc = ("See [the design](design.md#6-rho) and ![a plot](img/x.png), [a site](https://example.org).\n"
            "Run `.venv/bin/python scripts/translation/demo.py --out runs/x`, or read `plugins/optimizer.py:12`,\n"
            "`setup.cfg`, `plugins.plot` and `docs/digits/*.json`.\n\n"
-           "    bash scripts/domainbed/digits_sweep.sh sweep/digits   # scripts/in_a_comment.sh\n\n"
+           "    bash scripts/digits/digits_sweep.sh sweep/digits   # scripts/in_a_comment.sh\n\n"
            "```text\nscripts/only_output.py\n```\n")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "page.md").write_text(doc)
     monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
     found = [path for path, _ in repository_paths("docs/page.md", top={"scripts", "plugins", "docs", "setup.cfg"})]
     assert found == ["docs/design.md", "docs/img/x.png", "scripts/translation/demo.py", "plugins/optimizer.py:12",
-                     "setup.cfg", "scripts/domainbed/digits_sweep.sh", "scripts/in_a_comment.sh"]
+                     "setup.cfg", "scripts/digits/digits_sweep.sh", "scripts/in_a_comment.sh"]
 
 
 def test_every_repository_path_the_docs_name_exists():

@@ -180,7 +180,7 @@ def test_help_lists_domainbeds_flags_despite_its_bare_percent(tmp_path):
     assert "--algorithm" in proc.stdout
 
 
-DIGITS_SWEEP = os.path.join(ROOT, "scripts", "domainbed", "digits_sweep.sh")
+DIGITS_SWEEP = os.path.join(ROOT, "scripts", "digits", "digits_sweep.sh")
 
 
 def test_digits_sweep_finds_domainbed_without_domainbed_root(tmp_path):

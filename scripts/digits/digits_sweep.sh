@@ -3,7 +3,7 @@
 # DomainBed's sweep of ERM, SAM and VASSO over RotatedDigits (scikit-learn's digits,
 # one domain per rotation angle: domainbed_vasso/digits_dataset.py), then the table.
 #
-#   bash scripts/domainbed/digits_sweep.sh [OUTPUT_DIR]
+#   bash scripts/digits/digits_sweep.sh [OUTPUT_DIR]
 #
 # DomainBed is found as domainbed_vasso finds it: DOMAINBED_ROOT when set, else the copy
 # `bash scripts/setup_env.sh --with-domainbed` installed into .venv (or PYTHONPATH);
