@@ -4,19 +4,22 @@
 #   bash scripts/setup_env.sh --with-domainbed   -> the same, plus DomainBed at the tested commit,
 #                                                   importable in .venv (scripts/install_domainbed.sh)
 #   bash scripts/setup_env.sh --with-domainbed=/path/to/DomainBed[@COMMIT]   (a checkout or tarball)
+#   bash scripts/setup_env.sh --stamp            -> prints the stamp a ready venv holds, and nothing else
 # VENV=path picks another location, PYTHON=python3.x another interpreter.
 # The order matters: fairseq-fixed compiles against the torch it finds, so torch comes
 # first and fairseq is built without build isolation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WITH_DOMAINBED=0
+PRINT_STAMP=0
 DOMAINBED_SOURCE=""
 for arg in "$@"; do
     case "$arg" in
         --with-domainbed) WITH_DOMAINBED=1 ;;
         --with-domainbed=*) WITH_DOMAINBED=1; DOMAINBED_SOURCE=${arg#--with-domainbed=} ;;
-        -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "setup_env.sh: unknown argument $arg (expected --with-domainbed[=/path/to/DomainBed[@COMMIT]])" >&2; exit 2 ;;
+        --stamp) PRINT_STAMP=1 ;;
+        -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "setup_env.sh: unknown argument $arg (expected --with-domainbed[=/path/to/DomainBed[@COMMIT]] or --stamp)" >&2; exit 2 ;;
     esac
 done
 VENV=${VENV:-.venv}
@@ -24,6 +27,9 @@ PYTHON=${PYTHON:-python3}
 START=$SECONDS
 stage() { echo "[setup $((SECONDS - START)) s] $*"; }
 
+# the install recipe of this checkout, where it is
+stamp=$( (cat setup.cfg pyproject.toml scripts/setup_env.sh; pwd) | sha256sum | cut -c1-16)
+[ "$PRINT_STAMP" = 0 ] || { echo "$stamp"; exit 0; }
 [ -x "$VENV/bin/python" ] || { stage "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 py="$VENV/bin/python"
 # pip -q, minus the "Location ... is ignored" lines some pip configurations print per package
@@ -56,7 +62,6 @@ versions() {
 
 # Nothing to do when this checkout's install recipe has not changed since the last full run.
 stamp_file="$VENV/.vasso-setup-stamp"
-stamp=$( (cat setup.cfg pyproject.toml scripts/setup_env.sh; pwd) | sha256sum | cut -c1-16)
 ready=""
 if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && ready=$(versions 2>/dev/null); then
     stage "packages up to date (setup.cfg unchanged since the last setup)"
