@@ -40,7 +40,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plugins import SAM, VASSO
-
 from plugins.lab.tables import fmt_mean_std, markdown_table, mean_std
 
 SPLIT_SEED = 0
