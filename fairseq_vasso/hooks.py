@@ -701,7 +701,7 @@ def time_train_steps(write):
     """Time every update from the outside of the (hooked) ``Trainer.train_step``: after each,
     ``write(cpu_s, wall_s, passes, passes_cpu_s)`` with the update's CPU and wall seconds and
     its forward/backward passes (``task.train_step`` calls) and their CPU seconds.  For the
-    benchmark (:mod:`fairseq_vasso.nmt.bench`); it stays installed for the process."""
+    benchmark (:mod:`vasso_bench.fairseq_runs`); it stays installed for the process."""
     from fairseq.tasks.fairseq_task import FairseqTask
 
     hooked_train_step = Trainer.train_step

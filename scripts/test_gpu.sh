@@ -17,14 +17,14 @@
 #   2. every test that needs a GPU (the `gpu` and `two_gpus` markers: pytest -m "gpu or two_gpus"
 #      plugins tests); on one GPU the `two_gpus` tests are reported as not run, with the reason;
 #   3. tests/selftest's tests of the self-test, reading part 1's report (not running it again);
-#   4. the device benchmark, `python scripts/benchmark.py --device cuda --quick --adamw fused
+#   4. the device benchmark, `python scripts/benchmark/benchmark.py --device cuda --quick --adamw fused
 #      --steps-per-round 3 --seconds 45` (about 2 minutes; fused AdamW everywhere: the base that takes
 #      torch's found_inf, so that the family's steps run without a host sync, docs/design.md, "Where a step is decided";
 #      3 steps per round: one step's ratio spread +-5-10 % on an H100, too wide for the 1.02/1.03 goals;
 #      30 rounds at least, more while 45 s per model last: more rounds narrow the verdicts' intervals;
 #      the step-cost verdicts where the spread allows one; REFERENCE_VASSO=DIR and REFERENCE_SAM=DIR,
 #      checkouts of BingcongLi/VaSSO and davda54/sam, add the anchors' rows). Its verdicts inform,
-#      they do not fail the check (scripts/benchmark.py --fail-on-miss does).
+#      they do not fail the check (scripts/benchmark/benchmark.py --fail-on-miss does).
 # A test that skips for lack of a GPU fails here (VASSO_REQUIRE_GPU=1), but for a `two_gpus` test on
 # one GPU. DomainBed is found as everywhere (DOMAINBED_ROOT, the environment's copy,
 # ../shared/DomainBed beside this checkout).
@@ -336,7 +336,7 @@ not_run=$(sed -n 's/^SKIPPED \[\([0-9]*\)\] .*needs two CUDA devices, this machi
 part "self-test's tests (its report)" env VASSO_SELFTEST_RUN="$run" \
     "$PY" -m pytest -ra tests/selftest/test_selftest_command.py
 [ -n "${node[torchvision]:-}" ] || stage "part 4 runs the transformer alone: no torchvision (above)"
-part "device benchmark (--quick)" "$PY" scripts/benchmark.py --device cuda --quick --adamw fused --steps-per-round 3 \
+part "device benchmark (--quick)" "$PY" scripts/benchmark/benchmark.py --device cuda --quick --adamw fused --steps-per-round 3 \
     --seconds 45 \
     ${REFERENCE_VASSO:+--reference-vasso "$REFERENCE_VASSO"} ${REFERENCE_SAM:+--reference-sam "$REFERENCE_SAM"}
 

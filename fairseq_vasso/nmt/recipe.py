@@ -1,24 +1,21 @@
-"""The paper's NMT rows and fairseq's console scripts, for the IWSLT-14 recipe,
-``vasso-bleu`` (:mod:`fairseq_vasso.nmt.bleu`), the demo and the benchmark.
+"""The paper's NMT rows and fairseq's console scripts, for ``vasso-bleu``
+(:mod:`fairseq_vasso.nmt.bleu`), the self-test, and the recipes in ``scripts/``.
 
 * ``METHODS``: the rows of the paper's table ``tab.nmt`` and the fairseq
   optimizer flags that select each (``--optimizer adam`` is fairseq's AdamW:
   decoupled weight decay), with the paper's test BLEU;
 * where the fairseq console scripts and the ``fairseq_vasso`` user-dir are;
-* ``train_command``: the recipe's fairseq-train command line for one row and seed;
-  ``toy_train_args``: the tiny transformer on the toy corpus (self-test, tests);
+* ``toy_train_args``: the tiny transformer on the toy corpus (self-test, tests);
   ``child_argv``: the command line of the children that run fairseq-train in-process (bench, self-test);
 * ``run_logged``: run a fairseq command with its output in a log file (in a process group
-  of its own, which ``interruptible()`` ends on Ctrl-C or SIGTERM), and judge
-  a ``fairseq-train`` run by its log: stock fairseq-train may abort at exit (rc 134,
-  "terminate called without an active exception"; docs/fairseq.md, "Troubleshooting")
-  after it logged "done training" and saved its checkpoints; such a run is a success.
+  of its own, which ``interruptible()`` ends on Ctrl-C or SIGTERM).
 """
 
 import collections
 import contextlib
 import os
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -51,45 +48,9 @@ def method_flags(name, rho=PAPER_RHO):
     return [f.format(rho=rho) for f in METHODS[name].flags]
 
 
-# The paper's settings (Sec. 5, "Neural machine translation") on top of fairseq's
-# IWSLT-14 transformer example; rows differ only in their METHODS flags.
-PAPER_SETTINGS = [
-    "--task", "translation",
-    "--arch", "transformer_iwslt_de_en", "--share-decoder-input-output-embed",
-    "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
-    "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
-    "--weight-decay", "0.0001", "--dropout", "0.3",
-    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-    "--max-tokens", "4096",
-]
-# fairseq README's variant: checkpoint chosen by validation BLEU (beam 5, moses detokenization)
-EVAL_BLEU = [
-    "--eval-bleu", "--eval-bleu-args", '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}',
-    "--eval-bleu-detok", "moses", "--eval-bleu-remove-bpe",
-    "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
-]
-
-
 def run_dir(runs, method, seed):
     """The recipe's save dir of one run: RUNS/<method>/seed<k>."""
     return os.path.join(runs, method, "seed%d" % seed)
-
-
-def train_command(data, method, seed, save_dir, *, rho=PAPER_RHO, max_epoch=50,
-                  max_update=None, user_dir=None, eval_bleu=False, extra=(), settings=PAPER_SETTINGS):
-    """The fairseq-train command line (a list) for one run."""
-    cmd = [fairseq_bin("fairseq-train"), data, "--user-dir", user_dir or default_user_dir()]
-    cmd += list(settings)
-    cmd += method_flags(method, rho)
-    cmd += ["--seed", str(seed), "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "simple"]
-    if max_epoch:
-        cmd += ["--max-epoch", str(max_epoch)]
-    if max_update:
-        cmd += ["--max-update", str(max_update)]
-    if eval_bleu:
-        cmd += EVAL_BLEU
-    cmd += list(extra)
-    return cmd
 
 
 def toy_train_args(data, save_dir, *, optimizer_flags, lr, max_update, seed=3):
@@ -152,12 +113,6 @@ def default_user_dir():
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def shell_join(cmd):
-    import shlex
-
-    return " ".join(shlex.quote(c) for c in cmd)
-
-
 class Stopped(Exception):
     """A command was not started: Ctrl-C or SIGTERM stopped the tool (``interruptible``)."""
 
@@ -212,12 +167,12 @@ def run_logged(cmd, log_path, env=None, cwd=None, on_line=None, append=False):
     (and ``stop_children``) kills its whole process group."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     with open(log_path, "a" if append else "w", encoding="utf-8") as log:
-        log.write("+ " + shell_join(cmd) + "\n")
+        log.write("+ " + shlex.join(cmd) + "\n")
         log.flush()
         pipe = on_line is not None
         with _children_lock:
             if _stopping.is_set():
-                raise Stopped(shell_join(cmd[:1]))
+                raise Stopped(shlex.join(cmd[:1]))
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if pipe else log, stderr=subprocess.STDOUT,
                                     env=env, cwd=cwd, text=True, encoding="utf-8", errors="replace",
                                     start_new_session=True)
@@ -238,24 +193,6 @@ def run_logged(cmd, log_path, env=None, cwd=None, on_line=None, append=False):
             if pipe:
                 proc.stdout.close()
             proc.wait()
-
-
-def train_finished(log_path):
-    """True when a fairseq-train log says it finished ("done training")."""
-    try:
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            return any("done training in" in line for line in f)
-    except FileNotFoundError:
-        return False
-
-
-def judge_train(rc, log_path):
-    """(ok, note) for a finished fairseq-train process, judged by its log."""
-    if rc == 0:
-        return True, "ok"
-    if train_finished(log_path):
-        return True, "ok (exit status %d after 'done training'; judged by the log)" % rc
-    return False, "failed with exit status %d, see %s" % (rc, log_path)
 
 
 def tail(path, n=30):

@@ -1,7 +1,7 @@
 """The core's lab: what is built around the optimizer family rather than being it.
 
-* :mod:`plugins.lab.bench`: the benchmark's models, timing, memory and report
-  (``scripts/benchmark.py``);
+* :mod:`plugins.lab.bench`: the models and interleaved timing of the self-test and the benchmark
+  (``scripts/benchmark/benchmark.py``);
 * :mod:`plugins.lab.plot`: ``vasso-plot`` (diagnostics of fairseq logs and DomainBed
   results; each host's package reads its own format) and the paper's sphere figure;
 * :mod:`plugins.lab.tables`: the one mean ± std and markdown table writer of every tool.

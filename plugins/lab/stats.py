@@ -1,7 +1,7 @@
 """The statistics the tools state their verdicts with.
 
 :func:`median_interval`: a distribution-free confidence interval for a median (the device
-benchmark's verdicts on per-round ratios of step times, ``plugins.lab.bench.device``).
+benchmark's verdicts on per-round ratios of step times, ``vasso_bench.device``).
 
 :func:`permutation_test`, the one test of differences over seeds: an exact two-sided
 permutation test of a difference of means (the demo's BLEU and stability between methods).

@@ -15,7 +15,7 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    (``fairseq_vasso.nmt.toy_corpus``: articles and case, verb agreement, verb-second and
    verb-final word order, perfect tense, negation) and misaligns a fraction of the
    training pairs (``toy_corpus.corrupt_targets``);
-2. prepares it with the IWSLT-14 pipeline's own steps (``fairseq_vasso.nmt.iwslt14``:
+2. prepares it with the IWSLT-14 pipeline's own steps (``iwslt14``:
    Moses tokenization with sacremoses, lowercasing, joint BPE with subword-nmt,
    ``fairseq-preprocess --joined-dictionary``);
 3. trains a tiny transformer with stock ``fairseq-train --user-dir fairseq_vasso``,
@@ -156,7 +156,7 @@ def check_dependencies():
 
 def prepare(out, args, log):
     """Stage 1; kept once complete (``prepared`` marker), redone from scratch otherwise."""
-    from fairseq_vasso.nmt import iwslt14 as prep
+    import iwslt14 as prep
     from fairseq_vasso.nmt import toy_corpus
 
     raw = os.path.join(out, "raw")
@@ -291,7 +291,7 @@ def train_one(data, job, out, args, user_dir, env, append=False):
     fairseq-train itself resumes from the folder's checkpoint_last.pt where there is one).
     Returns (ok, note)."""
     from fairseq_vasso.nmt import recipe as nmt_common
-    from fairseq_vasso.nmt.recipe import train_command
+    from iwslt14_recipe import judge_train, train_command
 
     save_dir = run_dir(out, job.method, job.seed, job.nudged)
     extra = ["--max-update", str(args.max_update)]
@@ -303,7 +303,7 @@ def train_one(data, job, out, args, user_dir, env, append=False):
     if job.nudged:  # the same fairseq-train, in a Python that nudges the initial weights first
         cmd = nudged_train_command(CONTROL_ULPS) + cmd[1:]
     rc = nmt_common.run_logged(cmd, job.log, env=env, append=append)
-    return nmt_common.judge_train(rc, job.log)
+    return judge_train(rc, job.log)
 
 
 def nudged_train_command(ulps):
@@ -702,6 +702,7 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
     Exits naming the runs that failed. Returns the results ({key_of(job): result})."""
     from fairseq_vasso.nmt import bleu as eval_bleu
     from fairseq_vasso.nmt import recipe as nmt_common
+    from iwslt14_recipe import train_finished
 
     todo = jobs_of(out, args)
     n_runs = len(todo)
@@ -734,7 +735,7 @@ def run_all(data, ref_file, out, args, user_dir, bleu_command, log):
     def run_job(job):
         save_dir = run_dir(out, job.method, job.seed, job.nudged)
         start = time.time()
-        if nmt_common.train_finished(job.log) and os.path.exists(os.path.join(save_dir, ckpt_name)):
+        if train_finished(job.log) and os.path.exists(os.path.join(save_dir, ckpt_name)):
             ok, note = True, "trained before, kept"  # its scoring was interrupted
         else:
             # interrupted in training: fairseq-train resumes from checkpoint_last.pt as it does by

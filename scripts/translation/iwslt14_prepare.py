@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """IWSLT-14 German-English data, prepared as fairseq's examples/translation/prepare-iwslt14.sh
-does it, then binarized with fairseq-preprocess (the steps: :mod:`fairseq_vasso.nmt.iwslt14`).
+does it, then binarized with fairseq-preprocess (the steps: :mod:`iwslt14`).
 
 Layout (the shell script's, under ``--workdir``, default ``data/``)::
 
@@ -19,7 +19,7 @@ import argparse
 import os
 import shutil
 
-from fairseq_vasso.nmt import iwslt14
+import iwslt14
 
 
 def main(argv=None):

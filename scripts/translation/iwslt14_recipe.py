@@ -32,11 +32,66 @@ Usage::
 
 import argparse
 import os
+import shlex
 import sys
 import time
 
 from fairseq_vasso.nmt import recipe as nmt
-from fairseq_vasso.nmt.recipe import METHODS, run_dir, train_command
+from fairseq_vasso.nmt.recipe import METHODS, PAPER_RHO, default_user_dir, fairseq_bin, method_flags, run_dir
+
+# The paper's settings (Sec. 5, "Neural machine translation") on top of fairseq's
+# IWSLT-14 transformer example; rows differ only in their METHODS flags.
+PAPER_SETTINGS = [
+    "--task", "translation",
+    "--arch", "transformer_iwslt_de_en", "--share-decoder-input-output-embed",
+    "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+    "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
+    "--weight-decay", "0.0001", "--dropout", "0.3",
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--max-tokens", "4096",
+]
+# fairseq README's variant: checkpoint chosen by validation BLEU (beam 5, moses detokenization)
+EVAL_BLEU = [
+    "--eval-bleu", "--eval-bleu-args", '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}',
+    "--eval-bleu-detok", "moses", "--eval-bleu-remove-bpe",
+    "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+]
+
+
+def train_command(data, method, seed, save_dir, *, rho=PAPER_RHO, max_epoch=50,
+                  max_update=None, user_dir=None, eval_bleu=False, extra=(), settings=PAPER_SETTINGS):
+    """The fairseq-train command line (a list) for one run."""
+    cmd = [fairseq_bin("fairseq-train"), data, "--user-dir", user_dir or default_user_dir()]
+    cmd += list(settings)
+    cmd += method_flags(method, rho)
+    cmd += ["--seed", str(seed), "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "simple"]
+    if max_epoch:
+        cmd += ["--max-epoch", str(max_epoch)]
+    if max_update:
+        cmd += ["--max-update", str(max_update)]
+    if eval_bleu:
+        cmd += EVAL_BLEU
+    cmd += list(extra)
+    return cmd
+
+
+def train_finished(log_path):
+    """True when a fairseq-train log says it finished ("done training")."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            return any("done training in" in line for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def judge_train(rc, log_path):
+    """(ok, note) for a finished fairseq-train process, judged by its log."""
+    if rc == 0:
+        return True, "ok"
+    if train_finished(log_path):
+        return True, "ok (exit status %d after 'done training'; judged by the log)" % rc
+    return False, "failed with exit status %d, see %s" % (rc, log_path)
+
 
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -51,7 +106,7 @@ def parse_args(argv=None):
     p.add_argument("--runs", default="runs/iwslt14", help="save dirs are RUNS/<method>/seed<k>/")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    p.add_argument("--rho", type=float, default=nmt.PAPER_RHO, help="rho of every sharpness-aware row")
+    p.add_argument("--rho", type=float, default=PAPER_RHO, help="rho of every sharpness-aware row")
     p.add_argument("--max-epoch", type=int, default=50, help="fairseq-train --max-epoch (0: no limit)")
     p.add_argument("--max-update", type=int, default=None, help="fairseq-train --max-update")
     p.add_argument("--user-dir", default=None, help="fairseq_vasso folder (default: the repository's or installed one)")
@@ -76,19 +131,19 @@ def main(argv=None):
     if a.dry_run:
         for method, seed, save_dir, cmd in jobs:
             print("# %s, seed %d -> %s" % (METHODS[method].label, seed, save_dir))
-            print(nmt.shell_join(cmd) + " > " + os.path.join(save_dir, "train.log") + " 2>&1")
+            print(shlex.join(cmd) + " > " + os.path.join(save_dir, "train.log") + " 2>&1")
         return 0
     failed = []
     for method, seed, save_dir, cmd in jobs:
         log = os.path.join(save_dir, "train.log")
-        if nmt.train_finished(log):  # a finished run's log and checkpoints are never rewritten
+        if train_finished(log):  # a finished run's log and checkpoints are never rewritten
             print("skip %s seed %d: %s says done training (remove %s to train it again)"
                   % (method, seed, log, save_dir), flush=True)
             continue
         start = time.time()
         print("train %s seed %d -> %s" % (method, seed, save_dir), flush=True)
         rc = nmt.run_logged(cmd, log, append=True)  # an interrupted run resumes: its log goes on
-        ok, note = nmt.judge_train(rc, log)
+        ok, note = judge_train(rc, log)
         print("  %s (%.0f s)" % (note, time.time() - start), flush=True)
         if not ok:
             print(nmt.tail(log), file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Fixtures for the tests of the benchmark (plugins.lab.bench, fairseq_vasso.nmt.bench,
-scripts/benchmark.py) and of the plots (plugins.lab.plot).
+"""Fixtures for the tests of the benchmark (plugins.lab.bench, vasso_bench.fairseq_runs,
+scripts/benchmark/benchmark.py) and of the plots (plugins.lab.plot).
 
 Nothing here times anything: the benchmark's logic runs on tiny models for 1-3
 updates and its ratios are checked on made-up block timings.

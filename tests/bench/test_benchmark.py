@@ -1,4 +1,4 @@
-"""The benchmark's bookkeeping (plugins.lab.bench, fairseq_vasso.nmt.bench, scripts/benchmark.py):
+"""The benchmark's bookkeeping (plugins.lab.bench, vasso_bench.fairseq_runs, scripts/benchmark/benchmark.py):
 paired ratios, medians, verdicts, state bytes, a tiny interleaved run of 1-3 updates.  No
 timed assertions: only the arithmetic on the numbers it measured and the structure of what
 it reports."""
@@ -14,18 +14,19 @@ import pytest
 import torch
 
 from bench_samples import JSON_INNER, SIMPLE_INNER
-from plugins.lab.bench import memory, models, report, timing
+from plugins.lab.bench import models, timing
+from vasso_bench import child_env, memory, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCHMARK = os.path.join(ROOT, "scripts", "benchmark.py")
+BENCHMARK = os.path.join(ROOT, "scripts", "benchmark", "benchmark.py")
 
 
 @pytest.fixture(scope="module")
 def fsbench():
     pytest.importorskip("fairseq")
-    from fairseq_vasso.nmt import bench
+    from vasso_bench import fairseq_runs
 
-    return bench
+    return fairseq_runs
 
 
 def _block(total, fwdbwd=0.0, base_step=0.0, updates=2, two_pass=0, passes=1.0):
@@ -138,10 +139,10 @@ def test_memory_child_in_process():
 
 
 def test_memory_child_as_its_own_process():
-    """What run_memory starts for each method: python -m plugins.lab.bench.memory, one JSON line."""
-    proc = process_group.run([sys.executable, "-m", "plugins.lab.bench.memory", "many-small", "sam", "--steps", "2",
+    """What run_memory starts for each method: python -m vasso_bench.memory, one JSON line."""
+    proc = process_group.run([sys.executable, "-m", "vasso_bench.memory", "many-small", "sam", "--steps", "2",
                               "--tiny"], capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+                             env=child_env(dict(os.environ, OMP_NUM_THREADS="1")))
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["method"] == "sam" and res["extra_state_bytes"] == res["param_bytes"]
@@ -233,8 +234,8 @@ def test_tiny_scaler_run_scales_for_real():
 
 
 @pytest.mark.parametrize("module, argv, flag", [
-    ("plugins.lab.bench.cli", ["--tiny", "--quick", "--json", "EXISTING"], "--json"),
-    ("plugins.lab.bench.cli", ["--tiny", "--markdown", "EXISTING"], "--markdown"),
+    ("vasso_bench.cli", ["--tiny", "--quick", "--json", "EXISTING"], "--json"),
+    ("vasso_bench.cli", ["--tiny", "--markdown", "EXISTING"], "--markdown"),
     ("experiments", ["tradeoff", "--json", "EXISTING"], "--json"),
 ])
 def test_a_finished_result_is_not_overwritten_without_force(module, argv, flag, tmp_path, capsys):

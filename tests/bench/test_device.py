@@ -1,6 +1,6 @@
-"""The device benchmark (plugins.lab.bench.device, scripts/benchmark.py --device), its anchors
-(plugins.lab.bench.anchors), the phase profiler (plugins.lab.bench.profile) and the host-cost
-proxies (plugins.lab.bench.host).  Nothing here times anything: the verdicts are checked on
+"""The device benchmark (vasso_bench.device, scripts/benchmark/benchmark.py --device), its anchors
+(vasso_bench.anchors), the phase profiler (vasso_bench.profile) and the host-cost
+proxies (vasso_bench.host).  Nothing here times anything: the verdicts are checked on
 made-up per-round ratios, the runs on the CPU's small sizes for a round or two, and the
 profiler's GPU columns on a made-up trace."""
 
@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 
-from plugins.lab.bench import anchors, device, host, phases, profile
+from vasso_bench import anchors, device, host, phases, profile
 from plugins.lab.bench.timing import quartiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCHMARK = os.path.join(ROOT, "scripts", "benchmark.py")
+BENCHMARK = os.path.join(ROOT, "scripts", "benchmark", "benchmark.py")
 
 # A checkout laid out as BingcongLi/VaSSO is (solver/ imports itself and the top-level
 # namespace package utils/), and one as davda54/sam is (sam.py): small first_step /
@@ -351,7 +351,7 @@ def test_a_small_run_reports_every_part(checkouts):
     classes = {flag: anchors.load(flag, path) for flag, path in checkouts.items()}
     rows = ["adamw-1pass", "adamw-2pass", "SAM", "VASSO", "ref-vasso", "ref-sam"]
     res = device.run("cpu", models=["transformer"], rows=rows, rounds=2, warmup=1, mem_steps=1,
-                     anchor_classes=classes, command="python scripts/benchmark.py --device cpu")
+                     anchor_classes=classes, command="python scripts/benchmark/benchmark.py --device cpu")
     t = res["models"]["transformer"]
     assert set(t["rounds"]) == set(rows) and all(len(v["ms"]) == 2 for v in t["rounds"].values())
     assert set(t["memory"]) == set(rows)
@@ -434,7 +434,7 @@ def test_the_real_anchors_step():
 
 @pytest.fixture(scope="module")
 def benchmark_main():
-    from plugins.lab.bench.cli import main
+    from vasso_bench.cli import main
     return main
 
 
@@ -487,7 +487,7 @@ def test_cli_on_the_cpu_with_anchors(benchmark_main, checkouts, tmp_path, capsys
     assert "## Device benchmark: cpu, small sizes" in text
     assert f"Anchor --reference-vasso: {checkouts['--reference-vasso']} (not a git checkout)." in text
     assert "| transformer | VASSO faster than the official VASSO (ratio < 1) |" in text
-    assert "Command: `python scripts/benchmark.py --device cpu --models transformer" in text
+    assert "Command: `python scripts/benchmark/benchmark.py --device cpu --models transformer" in text
     again = tmp_path / "again.md"
     assert benchmark_main(["--render", str(tmp_path / "device.json"), "--markdown", str(again)]) == 0
     assert again.read_text().split("### Verdicts")[1] == text.split("### Verdicts")[1]

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py --device where torchvision cannot be imported (a GPU node that brings
+"""scripts/benchmark/benchmark.py --device where torchvision cannot be imported (a GPU node that brings
 torch alone): the default models are those that need no torchvision, and the report says which
 was left out and why; a model named with --models that needs it is refused, naming the fix."""
 
@@ -12,7 +12,7 @@ def without_torchvision(monkeypatch):
     """This process as one where torchvision is not installed (``None`` in sys.modules: no spec,
     and its import raises)."""
     monkeypatch.setitem(sys.modules, "torchvision", None)
-    from plugins.lab.bench.cli import main
+    from vasso_bench.cli import main
     return main
 
 

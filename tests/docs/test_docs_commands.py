@@ -247,10 +247,10 @@ COMMANDS = classified(
         expect=("bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.", "--platform manylinux_2_",
                 "--torch "))),
 
-    (".venv/bin/python scripts/benchmark.py", check_only(
+    (".venv/bin/python scripts/benchmark/benchmark.py", check_only(
         "about 10 minutes of timing on 2 cores (tests/bench runs its parts): its flags parse",
         expect=("--quick", "--host-cost"))),
-    (".venv/bin/python scripts/benchmark.py --device cuda --reference-vasso ~/src/VaSSO --reference-sam ~/src/sam "
+    (".venv/bin/python scripts/benchmark/benchmark.py --device cuda --reference-vasso ~/src/VaSSO --reference-sam ~/src/sam "
      "--markdown gpu.md --json gpu.json", check_only(
         "needs a GPU and checkouts of the two anchors (tests/bench runs the device benchmark on the CPU): "
         "these flags parse", expect=("--reference-vasso", "--fail-on-miss"))),

@@ -262,6 +262,7 @@ def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_r
     # it must be stock fairseq-train bit for bit, so that the control differs from its run by the nudge alone
     import torch
 
+    import iwslt14_recipe
     from fairseq_vasso.nmt import recipe
 
     done, _, _ = demo_run
@@ -280,7 +281,7 @@ def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_r
         if name != "stock":
             env, cwd = dict(env, PYTHONPATH=os.pathsep.join([str(decoy), env.get("PYTHONPATH", "")])), str(decoy)
         rc = recipe.run_logged(prefix + args + ["--cpu", "--no-epoch-checkpoints"], log, env=env, cwd=cwd)
-        assert recipe.judge_train(rc, log)[0], recipe.tail(log)
+        assert iwslt14_recipe.judge_train(rc, log)[0], recipe.tail(log)
         # in fairseq's log format, in which the demo reads the control's row (last_epoch_stats)
         with open(log, encoding="utf-8") as f:
             assert "| INFO | fairseq_cli.train | done training" in f.read(), (name, recipe.tail(log))

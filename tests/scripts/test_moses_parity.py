@@ -1,4 +1,4 @@
-"""fairseq_vasso.nmt.iwslt14 (scripts/translation/iwslt14_prepare.py) against the original: prepare-iwslt14.sh's own steps with the
+"""iwslt14 (scripts/translation/iwslt14_prepare.py) against the original: prepare-iwslt14.sh's own steps with the
 Moses perl scripts (tokenizer.perl, clean-corpus-n.perl, lowercase.perl), grep, sed and awk,
 on generated IWSLT-format files full of the characters tokenizers disagree on. Every
 intermediate file must be byte-identical.
@@ -16,7 +16,7 @@ import shutil
 import process_group
 import pytest
 
-from fairseq_vasso.nmt import iwslt14 as prep
+import iwslt14 as prep
 
 MOSES = os.environ.get("MOSES_SCRIPTS")
 

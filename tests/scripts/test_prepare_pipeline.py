@@ -1,4 +1,4 @@
-"""scripts/translation/iwslt14_prepare.py (the steps of fairseq_vasso.nmt.iwslt14) end to end on small local files in the IWSLT-14 formats
+"""scripts/translation/iwslt14_prepare.py (the steps of iwslt14) end to end on small local files in the IWSLT-14 formats
 (everything after the download: --raw-dir and --archive), including fairseq-preprocess."""
 
 import os
@@ -6,7 +6,7 @@ import tarfile
 
 import pytest
 
-from fairseq_vasso.nmt import iwslt14 as prep
+import iwslt14 as prep
 from fairseq_vasso.nmt.bleu import dataset_size
 
 GERMAN = ["Das ist {i} ein kleiner Test.", "Wir haben {i} Hunde und Katzen gesehen!",

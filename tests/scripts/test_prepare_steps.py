@@ -1,8 +1,8 @@
-"""The text steps of fairseq_vasso.nmt.iwslt14 (scripts/translation/iwslt14_prepare.py) against what prepare-iwslt14.sh's tools do."""
+"""The text steps of iwslt14 (scripts/translation/iwslt14_prepare.py) against what prepare-iwslt14.sh's tools do."""
 
 import os
 
-from fairseq_vasso.nmt import iwslt14 as prep
+import iwslt14 as prep
 
 
 def test_strip_train_tags_as_grep_and_sed():

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import iwslt14_recipe
 from fairseq_vasso.nmt import recipe as nmt_common
 
 PAPER = {"--arch": "transformer_iwslt_de_en", "--adam-betas": "(0.9, 0.98)", "--lr": "5e-4",
@@ -73,7 +74,7 @@ def test_dry_run_options_and_passthrough(script):
 
 def test_fairseq_parses_every_command():
     """fairseq-train's parser (with the user-dir imported) accepts every row's command."""
-    cmds = [nmt_common.train_command("DATA", m, 1, "SAVE/%s" % m) for m in nmt_common.METHODS]
+    cmds = [iwslt14_recipe.train_command("DATA", m, 1, "SAVE/%s" % m) for m in nmt_common.METHODS]
     code = r"""
 import json, sys
 from fairseq import options
@@ -105,10 +106,10 @@ def test_judge_train_by_log(tmp_path):
     log = tmp_path / "train.log"
     log.write_text("... | INFO | fairseq_cli.train | done training in 12.3 seconds\n"
                    "terminate called without an active exception\n")
-    assert nmt_common.judge_train(134, str(log))[0]
-    assert nmt_common.judge_train(0, str(tmp_path / "missing.log"))[0]
+    assert iwslt14_recipe.judge_train(134, str(log))[0]
+    assert iwslt14_recipe.judge_train(0, str(tmp_path / "missing.log"))[0]
     log.write_text("Traceback (most recent call last):\n")
-    ok, note = nmt_common.judge_train(1, str(log))
+    ok, note = iwslt14_recipe.judge_train(1, str(log))
     assert not ok and "exit status 1" in note
 
 

@@ -150,7 +150,7 @@ def test_the_cost_check_fails_on_a_slow_step(monkeypatch):
         checks.check_cost("cpu", reps=2, block=1, warmup=1)
     assert failed.value.details["vasso_over_adamw_2pass"] > checks.COST_LIMIT
     assert failed.value.details["iqr"][0] > checks.COST_LIMIT and "interquartile range" in failed.value.figure
-    assert "scripts/benchmark.py" in failed.value.hint
+    assert "scripts/benchmark/benchmark.py" in failed.value.hint
 
 
 @pytest.mark.parametrize("ratios, verdict", [

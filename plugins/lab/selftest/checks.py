@@ -467,7 +467,7 @@ def cost_verdict(ratios: List[float], limit: float = COST_LIMIT) -> str:
     so it cannot cost less; such a figure measured the machine, not the update.  (Eight
     repeats are too few for a useful interval of their median: at 95 % it is their whole
     range.  The device benchmark's verdicts, over at least 30 rounds, read that interval:
-    :func:`plugins.lab.bench.device.verdict`.)"""
+    :func:`vasso_bench.device.verdict`.)"""
     from plugins.lab.bench.timing import median, quartiles
 
     q1, q3 = quartiles(ratios)
@@ -502,7 +502,7 @@ def check_cost(device: str, reps: int = 8, block: int = 2, warmup: int = 2) -> F
     verdict = details["verdict"] = cost_verdict(ratios)
     if verdict == "FAIL":
         raise CheckFailed(f"{measured}: above the limit", details,
-                          hint="on an idle machine, `python scripts/benchmark.py` (docs/benchmarks.md) breaks "
+                          hint="on an idle machine, `python scripts/benchmark/benchmark.py` (docs/benchmarks.md) breaks "
                                "the update's time down; attach its report")
     if verdict == "too noisy":
         raise Skipped(f"too noisy to judge here: the repeats straddle the limit {COST_LIMIT} "

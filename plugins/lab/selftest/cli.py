@@ -147,7 +147,7 @@ HINTS = {
              "the JSON report",
     "fairseq": "run the command in the JSON report's details (fairseq-train ...) to see fairseq's whole output",
     "DomainBed": "is DomainBed at the tested commit (docs/domainbed.md)? The details hold the root and commit found",
-    "cost": "on an idle machine, `python scripts/benchmark.py` (docs/benchmarks.md) breaks the update's time down",
+    "cost": "on an idle machine, `python scripts/benchmark/benchmark.py` (docs/benchmarks.md) breaks the update's time down",
 }
 CRASH_HINT = "the check crashed: its traceback is in the JSON report (--json) under this row's details"
 

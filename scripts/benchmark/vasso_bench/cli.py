@@ -2,12 +2,12 @@
 
 One command::
 
-    python scripts/benchmark.py            # full run (~10 min on 2 CPU cores)
-    python scripts/benchmark.py --quick    # under ~2 min, fewer repeats
-    python scripts/benchmark.py --quick --no-fairseq --markdown out.md --json out.json
-    python scripts/benchmark.py --device cuda --quick --reference-vasso ~/VaSSO --reference-sam ~/sam
-    python scripts/benchmark.py --profile --device cuda     # where one VASSO step's time goes
-    python scripts/benchmark.py --host-cost                 # the optimizer's own host time and ops
+    python scripts/benchmark/benchmark.py            # full run (~10 min on 2 CPU cores)
+    python scripts/benchmark/benchmark.py --quick    # under ~2 min, fewer repeats
+    python scripts/benchmark/benchmark.py --quick --no-fairseq --markdown out.md --json out.json
+    python scripts/benchmark/benchmark.py --device cuda --quick --reference-vasso ~/VaSSO --reference-sam ~/sam
+    python scripts/benchmark/benchmark.py --profile --device cuda     # where one VASSO step's time goes
+    python scripts/benchmark/benchmark.py --host-cost                 # the optimizer's own host time and ops
 
 What it measures (every figure is printed with the machine it was taken on):
 
@@ -52,8 +52,8 @@ What it measures (every figure is printed with the machine it was taken on):
    (``--no-scaler`` skips it; torch < 2.3 has no CPU scaler and skips it too).
 
 The parts are :mod:`plugins.lab.bench` (models, timing, memory, report) and
-:mod:`fairseq_vasso.nmt.bench` (the fairseq-train runs); this module chooses what to run in
-each mode (``scripts/benchmark.py`` runs it).
+:mod:`vasso_bench.fairseq_runs` (the fairseq-train runs); this module chooses what to run in
+each mode (``scripts/benchmark/benchmark.py`` runs it).
 
 8. **On a device** (``--device cuda``; ``--device cpu`` runs the same at small sizes): every
    member of the family, AdamW with one and with two passes, and the anchors where
@@ -64,15 +64,15 @@ each mode (``scripts/benchmark.py`` runs it).
    (with ``--seconds S``, more while S seconds per model last), medians and IQRs, ratios to
    AdamW with two passes, peak memory of each method alone on the device, and the verdicts
    of issue 33's goal where the 95 % interval of the median ratio allows one
-   (:mod:`plugins.lab.bench.device`).  ``--device cuda --quick`` keeps the rows the verdicts
+   (:mod:`vasso_bench.device`).  ``--device cuda --quick`` keeps the rows the verdicts
    need; either fits 2 minutes of one H100.  Interrupted (Ctrl-C, SIGTERM), it writes the
    report of the rounds finished and exits 130.  ResNet-50 needs torchvision: where it cannot
    be imported the default models are the transformer alone, and the report says so.
 9. **Where the time goes** (``--profile``): a ``torch.profiler`` trace of one VASSO step on
-   ``--device``, by phase (:mod:`plugins.lab.bench.profile`).
+   ``--device``, by phase (:mod:`vasso_bench.profile`).
 10. **Host cost** (``--host-cost``): the optimizer's own host time per step on 200 small
    tensors against torch's foreach AdamW step, and the ops and host syncs per step of every
-   member on 120 (:mod:`plugins.lab.bench.host`).
+   member on 120 (:mod:`vasso_bench.host`).
 
 Threads: ``torch.set_num_threads(--threads)`` (default 1) in every process and
 ``OMP_NUM_THREADS`` for the children: on a shared 2-core machine one thread per
@@ -97,10 +97,10 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from plugins.lab.bench import anchors, device
-from plugins.lab.bench.memory import run_memory, state_table
+from vasso_bench import anchors, device
+from vasso_bench.memory import run_memory, state_table
 from plugins.lab.bench.models import FLOOR_MODEL, METHODS, MODELS, STATE_ONLY, TINY_FLOOR_MODEL, TINY_MODELS, model_info
-from plugins.lab.bench.report import machine_info, render
+from vasso_bench.report import machine_info, render
 from plugins.lab.bench.timing import CLOCKS, floor_ratios, interleaved_timing, scaler_ratios, summarize_timing
 from plugins.lab.tables import refuse_existing
 
@@ -121,8 +121,7 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
             memory: bool = True, floor: bool = True, scaler: bool = True, tiny: bool = False, workdir: Optional[str] = None,
             clock: str = "cpu",
             overrides: Optional[Dict[str, Any]] = None, log: Callable[[str], None] = print,
-            command: str = "", fairseq_only: bool = False,
-            run_fairseq: Optional[Callable[..., Dict[str, Any]]] = None) -> Dict[str, Any]:
+            command: str = "", fairseq_only: bool = False) -> Dict[str, Any]:
     """Every measurement of the chosen mode; returns the results dict that render() prints."""
     torch.set_num_threads(threads)
     cfg = dict(MODES[mode])
@@ -163,25 +162,21 @@ def run_all(mode: str = "quick", *, models: Optional[Dict[str, Dict[str, Any]]] 
         results["memory"] = run_memory(mem_models, list(methods), cfg["mem_reps"], cfg["mem_steps"], threads, tiny,
                                        log=log)
     if fairseq:
-        if run_fairseq is None:
-            results["fairseq_skipped"] = "no fairseq-train runner (scripts/benchmark.py passes it)"
-        else:
-            workdir = workdir or os.path.join(tempfile.gettempdir(), "vasso_benchmark")
-            os.makedirs(workdir, exist_ok=True)
-            log(f"fairseq-train: {cfg['fs_reps']} repeat(s) x {list(cfg['fs_optimizers'])}, "
-                f"{cfg['fs_updates']} updates each (data and checkpoints under {workdir})")
-            results["fairseq"] = run_fairseq(workdir, cfg["fs_optimizers"], cfg["fs_reps"], cfg["fs_updates"],
-                                             threads, log=log)
+        from vasso_bench.fairseq_runs import run_fairseq  # the fairseq half, imported only when it runs
+        workdir = workdir or os.path.join(tempfile.gettempdir(), "vasso_benchmark")
+        os.makedirs(workdir, exist_ok=True)
+        log(f"fairseq-train: {cfg['fs_reps']} repeat(s) x {list(cfg['fs_optimizers'])}, "
+            f"{cfg['fs_updates']} updates each (data and checkpoints under {workdir})")
+        results["fairseq"] = run_fairseq(workdir, cfg["fs_optimizers"], cfg["fs_reps"], cfg["fs_updates"],
+                                         threads, log=log)
     else:
         results["fairseq_skipped"] = "--no-fairseq"
     results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return results
 
 
-def main(argv=None, run_fairseq=None):
-    """The command line; ``run_fairseq`` is the fairseq-train comparison
-    (``fairseq_vasso.nmt.bench.run_fairseq``, which the lab does not import: the floors of
-    docs/design.md), given by ``scripts/benchmark.py``."""
+def main(argv=None):
+    """The command line of ``scripts/benchmark/benchmark.py``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (under ~2 minutes)")
@@ -226,9 +221,9 @@ def main(argv=None, run_fairseq=None):
     dev.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a verdict of the device benchmark "
                      "is MISS (too noisy and no verdict do not fail)")
     dev.add_argument("--profile", action="store_true", help="profile one VASSO step on --device (default cpu) by "
-                     "phase instead (plugins.lab.bench.profile)")
+                     "phase instead (vasso_bench.profile)")
     dev.add_argument("--host-cost", action="store_true", help="the optimizer's own host time and ops per step, "
-                     "on the CPU, instead (plugins.lab.bench.host)")
+                     "on the CPU, instead (vasso_bench.host)")
     args = ap.parse_args(argv)
     refuse_existing(ap, {"--markdown": args.markdown, "--json": None if args.render else args.json}, args.force)
     if args.device or args.profile or args.host_cost:
@@ -275,9 +270,9 @@ def main(argv=None, run_fairseq=None):
                       threads=args.threads, fairseq=not args.no_fairseq, memory=not args.no_memory,
                       floor=not args.no_floor, scaler=not args.no_scaler, tiny=args.tiny,
                       workdir=args.workdir, overrides=overrides, clock=args.clock,
-                      fairseq_only=args.fairseq_only, run_fairseq=run_fairseq,
+                      fairseq_only=args.fairseq_only,
                       log=lambda s: print(s, file=sys.stderr, flush=True),
-                      command="python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv))
+                      command="python scripts/benchmark/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     results["seconds"] = round(time.time() - t0, 1)
     text = render(results) + f"\nWall time of the benchmark: {results['seconds']} s.\n"
     print(text)
@@ -345,14 +340,14 @@ def device_main(ap: argparse.ArgumentParser, args, argv) -> int:
             ap.error(f"--rows {r}: needs {flag} DIR")
     torch.set_num_threads(args.threads)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    command = "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python scripts/benchmark/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.host_cost:
-        from plugins.lab.bench import host
+        from vasso_bench import host
 
         results = host.run(log=log)
         text = host.render(results, command)
     elif args.profile:
-        from plugins.lab.bench import profile
+        from vasso_bench import profile
 
         results = profile.run(args.device or "cpu", size=args.size, model=(args.models or ["transformer"])[0],
                               warmup=args.warmup, log=log, adamw=args.adamw)

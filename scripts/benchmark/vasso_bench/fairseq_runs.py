@@ -1,9 +1,9 @@
-"""The benchmark's fairseq-train comparison (``scripts/benchmark.py``): ``--optimizer
+"""The benchmark's fairseq-train comparison (``scripts/benchmark/benchmark.py``): ``--optimizer
 vasso`` (and ``sam``) over ``--optimizer adam`` on the toy de-en corpus
 (:mod:`fairseq_vasso.nmt.toy_corpus`), one process per run, the CPU time of every
 ``Trainer.train_step`` timed from outside fairseq_vasso's two-pass step.
 
-    python -m fairseq_vasso.nmt.bench STEP_LOG -- FAIRSEQ_TRAIN_ARGS...
+    python -m vasso_bench.fairseq_runs STEP_LOG -- FAIRSEQ_TRAIN_ARGS...
 
 runs one such fairseq-train in this process (what :func:`run_fairseq` starts)."""
 
@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, List, Sequence
 
 from plugins.lab.bench.timing import median
 
-from . import recipe as nmt, toy_corpus
+from fairseq_vasso.nmt import recipe as nmt, toy_corpus
+from vasso_bench import child_env
 
 # the benchmark's --optimizer -> its row of nmt.METHODS (the flags and rho come from there)
 OPTIMIZER_ROWS = {"adam": "adamw", "sam": "sam", "vasso": "vasso0.4"}
@@ -69,7 +70,7 @@ def fairseq_command(data: str, optimizer: str, max_update: int, save_dir: str, l
 
 def fairseq_ups(log_text: str) -> List[float]:
     """fairseq's ``ups`` of every ``train_inner`` line but the first (warm-up), json or simple format."""
-    from .logs import parse_fairseq_log_text
+    from fairseq_vasso.nmt.logs import parse_fairseq_log_text
 
     records = [r for r in parse_fairseq_log_text(log_text) if r.get("_tag") == "train_inner"]
     return [float(r["ups"]) for r in records[1:] if "ups" in r]
@@ -102,7 +103,7 @@ def run_fairseq(workdir: str, optimizers: Sequence[str], reps: int, max_update: 
                 log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
     data = prepare_fairseq_data(workdir, log=log)
     # the runs are --cpu: where a GPU is, fairseq's gradient norm would go through it (recipe.cpu_only_env)
-    env = nmt.cpu_only_env(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)))
+    env = child_env(nmt.cpu_only_env(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))))
     log_interval = max(max_update // 8, 2)
     skip = min(3, max_update // 4)  # warm-up updates left out of the per-update medians
     runs: Dict[str, List[float]] = {o: [] for o in optimizers}  # fairseq's ups (wall clock)
@@ -115,7 +116,7 @@ def run_fairseq(workdir: str, optimizers: Sequence[str], reps: int, max_update: 
         for o in list(optimizers)[k:] + list(optimizers)[:k]:
             cmd = fairseq_command(data, o, max_update, os.path.join(workdir, f"ckpt-{o}"), log_interval)
             step_log = os.path.join(workdir, f"steps-{o}.txt")
-            child = [sys.executable, "-m", "fairseq_vasso.nmt.bench", step_log, "--", *cmd[1:]]
+            child = [sys.executable, "-m", "vasso_bench.fairseq_runs", step_log, "--", *cmd[1:]]
             proc = subprocess.run(child, capture_output=True, text=True, env=env, timeout=900)
             text = proc.stdout + "\n" + proc.stderr
             ups = fairseq_ups(text)
@@ -187,7 +188,7 @@ def fairseq_from_parts(step_parts: Dict[str, List[List[tuple]]], skip: int) -> D
 
 
 def main(argv=None):
-    return fairseq_child(*nmt.child_argv(argv, "fairseq_vasso.nmt.bench", "STEP_LOG"))
+    return fairseq_child(*nmt.child_argv(argv, "vasso_bench.fairseq_runs", "STEP_LOG"))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The optimizer's own cost on the host, the CPU proxies of issue 33
-(``scripts/benchmark.py --host-cost``):
+(``scripts/benchmark/benchmark.py --host-cost``):
 
 * **ops and host syncs per step** of every member on 30 x [Linear(32, 32), LayerNorm(32)]
   (120 tensors): the aten ops dispatched by ``opt.step(closure)`` outside the two passes
@@ -7,7 +7,7 @@
   the host syncs there (:class:`plugins.lab.selftest.syncs.CountSyncs`, the tests' counter);
 * **host time per step** on 50 x [Linear(32, 32), LayerNorm(32)] (200 tensors): the CPU time
   of the calling thread (``time.thread_time``: time slices lost to other processes do not
-  count) in the optimizer's own phases (:data:`plugins.lab.bench.phases.OWN`), and with the
+  count) in the optimizer's own phases (:data:`vasso_bench.phases.OWN`), and with the
   base step, against torch's foreach AdamW step on the same model and gradients; every
   method's base is that foreach AdamW.  Interleaved rounds, medians; one run's ratio.
 """
@@ -24,12 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import plugins
 
-from ..selftest.reference import MEMBERS
-from ..selftest.syncs import CountSyncs
-from ..tables import markdown_table
-from .models import BASE_KW, FLOOR_MODEL, RHO, build
-from .phases import OWN, PHASES, StepPhases, per_phase, segments
-from .timing import median, quartiles
+from plugins.lab.selftest.reference import MEMBERS
+from plugins.lab.selftest.syncs import CountSyncs
+from plugins.lab.tables import markdown_table
+from plugins.lab.bench.models import BASE_KW, FLOOR_MODEL, RHO, build
+from vasso_bench.phases import OWN, PHASES, StepPhases, per_phase, segments
+from plugins.lab.bench.timing import median, quartiles
 
 #: 50 x [Linear(32, 32), LayerNorm(32)], no head: 200 small tensors
 HOST_MODEL: Dict[str, Any] = dict(FLOOR_MODEL, blocks=50)

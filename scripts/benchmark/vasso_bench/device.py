@@ -1,4 +1,4 @@
-"""The device benchmark (``scripts/benchmark.py --device cuda``): every member of the family,
+"""The device benchmark (``scripts/benchmark/benchmark.py --device cuda``): every member of the family,
 AdamW with one and with two passes, and the anchors (the authors' VASSO, davda54's SAM) where
 the user points at their checkouts, on ResNet-50 and an IWSLT-sized transformer, with bf16
 autocast and AdamW as the base.  It gives the verdicts of issue 33's goal where the spread of
@@ -15,7 +15,7 @@ the rounds allows one.
 * **Memory**: each method alone on the device (model, optimizer, batch; nothing else
   allocated), ``torch.cuda.reset_peak_memory_stats()`` before it is built, the peak after a
   few steps (``max_memory_allocated``).  On the CPU: the peak growth of glibc's heap
-  (:class:`plugins.lab.bench.memory.HeapSampler`) from before the build.
+  (:class:`vasso_bench.memory.HeapSampler`) from before the build.
 * **Verdicts** (:func:`verdict`): a ratio's goal ``<= limit`` is PASS when the 95 % confidence
   interval of the median per-round ratio (:func:`plugins.lab.stats.median_interval`, which
   assumes nothing of the ratios' distribution) lies within it, MISS when it lies beyond it,
@@ -39,12 +39,12 @@ import torch
 
 import plugins
 
-from ..selftest.reference import MEMBERS
-from ..stats import median_interval
-from ..tables import markdown_table
-from . import anchors
-from .models import BASE_KW, RHO, THETA
-from .timing import median, quartiles
+from plugins.lab.selftest.reference import MEMBERS
+from plugins.lab.stats import median_interval
+from plugins.lab.tables import markdown_table
+from vasso_bench import anchors
+from plugins.lab.bench.models import BASE_KW, RHO, THETA
+from plugins.lab.bench.timing import median, quartiles
 
 #: the fewest interleaved rounds a verdict is given on (and the least ``--rounds`` on a GPU)
 MIN_ROUNDS = 30
@@ -276,7 +276,7 @@ def clock_for(device: torch.device):
 # ------------------------------------------------------------------ runs
 
 class Interrupted(KeyboardInterrupt):
-    """The timed rounds stopped by the user (Ctrl-C, or SIGTERM as ``scripts/benchmark.py``
+    """The timed rounds stopped by the user (Ctrl-C, or SIGTERM as ``scripts/benchmark/benchmark.py``
     turns it): :attr:`rounds` holds those finished before it (the one under way is dropped),
     and :func:`run` sets :attr:`result`, the model's report from them."""
 
@@ -360,7 +360,7 @@ def peak_memory(name: str, template, cfg, batch, device: torch.device, steps: in
         torch.cuda.synchronize(device)
         res = {"peak_bytes": torch.cuda.max_memory_allocated(device), "measure": "max_memory_allocated"}
     else:
-        from .memory import HeapSampler
+        from vasso_bench.memory import HeapSampler
 
         sampler = HeapSampler()
         before = sampler.current()

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..tables import markdown_table
-from .models import METHODS, P_EFFICIENT, STATE_ONLY
+from plugins.lab.tables import markdown_table
+from plugins.lab.bench.models import METHODS, P_EFFICIENT, STATE_ONLY
 
 TARGETS_TEXT = {
     "vasso_over_sam": "VASSO / SAM <= 1.03",

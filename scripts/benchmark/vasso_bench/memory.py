@@ -1,6 +1,6 @@
 """Optimizer state bytes, and the peak memory of one fresh process per method and model.
 
-    python -m plugins.lab.bench.memory MODEL METHOD [--steps 3 --threads 1 --tiny]
+    python -m vasso_bench.memory MODEL METHOD [--steps 3 --threads 1 --tiny]
 
 runs one measurement in this process and prints it as one JSON line (what
 :func:`run_memory` starts for each method)."""
@@ -20,8 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .models import MODELS, TINY_MODELS, state_bytes
-from .timing import Runner, median
+from vasso_bench import child_env
+from plugins.lab.bench.models import MODELS, TINY_MODELS, state_bytes
+from plugins.lab.bench.timing import Runner, median
 
 def _maxrss_bytes() -> int:
     """Peak RSS of this process image: Linux's VmHWM (per address space, so it starts
@@ -113,14 +114,14 @@ def memory_child(model_name: str, method: str, steps: int, tiny: bool) -> Dict[s
 def run_memory(models: Sequence[str], methods: Sequence[str], reps: int, steps: int, threads: int, tiny: bool,
                log: Callable[[str], None] = lambda s: None) -> Dict[str, Dict[str, Any]]:
     """peak growth medians per (model, method), each measurement a fresh process."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env = child_env(dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)))
     samples: Dict[str, Dict[str, List[Dict[str, Any]]]] = {md: {m: [] for m in methods} for md in models}
     for rep in range(reps):
         for md in models:
             order = list(methods)
             k = rep % len(order)
             for m in order[k:] + order[:k]:
-                cmd = [sys.executable, "-m", "plugins.lab.bench.memory", md, m, "--steps", str(steps),
+                cmd = [sys.executable, "-m", "vasso_bench.memory", md, m, "--steps", str(steps),
                        "--threads", str(threads)] + (["--tiny"] if tiny else [])
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
                 if proc.returncode != 0:

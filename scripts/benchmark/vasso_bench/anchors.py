@@ -1,6 +1,6 @@
 """The anchors: the authors' VASSO (BingcongLi/VaSSO, ``solver/vasso.py``) and davda54's SAM
 (davda54/sam, ``sam.py``), imported at run time from checkouts the user points at
-(``scripts/benchmark.py --reference-vasso DIR --reference-sam DIR``).  Their code is never
+(``scripts/benchmark/benchmark.py --reference-vasso DIR --reference-sam DIR``).  Their code is never
 copied into this repository.
 
 Both expose ``first_step(zero_grad)`` / ``second_step(zero_grad)`` around the caller's own

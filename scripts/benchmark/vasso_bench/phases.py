@@ -87,7 +87,7 @@ class StepPhases:
 
 
 def median_per_phase(samples: Sequence[Dict[str, float]]) -> Dict[str, float]:
-    from .timing import median
+    from plugins.lab.bench.timing import median
 
     return {p: median([s[p] for s in samples]) for p in PHASES}
 

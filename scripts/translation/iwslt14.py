@@ -45,7 +45,7 @@ import subprocess
 import tarfile
 import urllib.request
 
-from .recipe import fairseq_bin
+from fairseq_vasso.nmt.recipe import fairseq_bin
 
 # The shell script's URL (wit3.fbk.eu) has been offline for years; fairseq's
 # mirror of the same archive is tried first.

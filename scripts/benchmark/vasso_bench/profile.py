@@ -1,9 +1,9 @@
 """Where one VASSO step's time goes: a ``torch.profiler`` trace of one step (after a
-warm-up), read by phase (:mod:`plugins.lab.bench.phases`: the ranges are this tool's, the
+warm-up), read by phase (:mod:`vasso_bench.phases`: the ranges are this tool's, the
 core has none).
 
-    python -m plugins.lab.bench.profile [--device cuda] [--model transformer] [--trace out.json]
-    python scripts/benchmark.py --profile --device cuda        # the same
+    python -m vasso_bench.profile [--device cuda] [--model transformer] [--trace out.json]
+    python scripts/benchmark/benchmark.py --profile --device cuda        # the same
 
 Per phase: the host time (median of ``--steps`` unprofiled steps), the ops the profiler saw
 (top-level, and all), the kernel launches and kernels with their GPU time, the host syncs
@@ -27,9 +27,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..tables import markdown_table, refuse_existing
-from . import device as bench_device
-from .phases import OWN, PHASES, RANGES, StepPhases, median_per_phase, per_phase, run_marked
+from plugins.lab.tables import markdown_table, refuse_existing
+from vasso_bench import device as bench_device
+from vasso_bench.phases import OWN, PHASES, RANGES, StepPhases, median_per_phase, per_phase, run_marked
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -63,7 +63,7 @@ def _phase_marks(events: List[Dict[str, Any]], step: Optional[Dict[str, Any]] = 
 
 
 def _phase_of(t: float, marks: List[tuple]) -> Optional[str]:
-    from .phases import AFTER
+    from vasso_bench.phases import AFTER
 
     for (name, a), (_, b) in zip(marks, marks[1:]):
         if a <= t < b and name in AFTER:
@@ -95,7 +95,7 @@ def analyze(trace: Dict[str, Any]) -> Dict[str, Any]:
     counts of the last step with the most ops (once, on a loaded CPU, the last step of a
     trace came back without the events after its perturbation), the times' medians over
     every step but the first (which carries the profiler's start-up)."""
-    from .timing import median
+    from plugins.lab.bench.timing import median
 
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
     for e in events:
@@ -172,7 +172,7 @@ def _analyze_step(events: List[Dict[str, Any]], step: Dict[str, Any]) -> Dict[st
 
 
 def _segments(marks):
-    from .phases import segments
+    from vasso_bench.phases import segments
 
     return segments(marks)
 
@@ -180,7 +180,7 @@ def _segments(marks):
 def count_syncs(phases: StepPhases) -> Dict[str, int]:
     """Host syncs per phase of one step, as the tests count them (CountSyncs: every
     ``aten._local_scalar_dense`` plus ``Tensor.tolist``)."""
-    from ..selftest.syncs import CountSyncs
+    from plugins.lab.selftest.syncs import CountSyncs
 
     with CountSyncs() as mode:
         phases.on_mark = lambda: mode.count
@@ -285,7 +285,7 @@ def render(res: Dict[str, Any], command: str = "") -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m plugins.lab.bench.profile", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m vasso_bench.profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--model", choices=list(bench_device.SIZES["full"]), default="transformer")
     ap.add_argument("--size", choices=sorted(bench_device.SIZES), help="default: full on cuda, small on cpu")
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     refuse_existing(ap, {"--trace": args.trace}, args.force)
     res = run(args.device, args.size, args.model, args.warmup, args.steps, args.method, args.trace,
               log=lambda s: print(s, file=sys.stderr, flush=True), adamw=args.adamw)
-    print(render(res, "python -m plugins.lab.bench.profile " + " ".join(sys.argv[1:] if argv is None else argv)))
+    print(render(res, "python -m vasso_bench.profile " + " ".join(sys.argv[1:] if argv is None else argv)))
     return 0
 
 
