@@ -102,9 +102,9 @@ class StepLists:
         self._constants = None
         # the base optimizer has stepped over this set: a fused base's state exists (plugins.ondevice.base_step)
         self.base_stepped = False
-        # a step may be decided on the device: one device and dtype (float32/64), dense tensors, one process
+        # a step may be decided on the device: one device and dtype, dense tensors, one process
         # or replicas (SharpnessAware._decides_on_device adds what the step's options allow)
-        self.on_device = (bool(params) and not self.low_precision and not layout.sharded and not layout.collective
+        self.on_device = (bool(params) and not layout.sharded and not layout.collective
                           and len({(q.device, q.dtype) for q in params}) == 1 and all(map(dense, params)))
         # where the parameters' data lie: the flat buffer mirrors their strides and storage_params alias
         # their storage, so a parameter whose .data is replaced (module.to(memory_format=...)) must

@@ -28,7 +28,9 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Flat", "storage_views", "dense", "flat_scratch_is_cheap", "total_norm", "check_finite_",
+from .reductions import LOW_PRECISION
+
+__all__ = ["Flat", "storage_views", "dense", "flat_scratch_is_cheap", "norms", "total_norm", "check_finite_",
            "takes_found_inf", "base_step", "overflow_into_", "HostCopy", "Verdicts"]
 
 
@@ -118,10 +120,22 @@ def flat_scratch_is_cheap(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
+def norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each tensor's 2-norm (0-dim, on the device): in its dtype, fp16/bf16 in float32 (an fp16
+    norm overflows at 65504 where every element is finite)."""
+    tensors = list(tensors)
+    if not any(t.dtype in LOW_PRECISION for t in tensors):
+        return list(torch._foreach_norm(tensors))
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # torch < 2.4: no dtype
+        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+
+
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of a list of tensors as one 0-dim device tensor (no host read): not finite
     iff some element is not (or the sum of squares overflows, as the host path's norm)."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors))))
+    return torch.linalg.vector_norm(torch.stack(norms(tensors)))
 
 
 def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one: torch.Tensor) -> None:
@@ -131,11 +145,11 @@ def check_finite_(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor, one:
     not on the tensors, whose every element it would rewrite (an unscale by 1) to learn one bit."""
     if not tensors:
         return
-    norms = torch._foreach_norm(list(tensors))
+    each = norms(tensors)
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(norms, found_inf, one)
+        torch._amp_foreach_non_finite_check_and_unscale_(each, found_inf, one)
     except (NotImplementedError, RuntimeError):  # a torch without it for the device (the CPU's before 2.3)
-        found_inf.copy_(torch.where(torch.stack(norms).sum() < math.inf, found_inf, one))
+        found_inf.copy_(torch.where(torch.stack(each).sum() < math.inf, found_inf, one))
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:

@@ -29,10 +29,10 @@ eVASSO (p < 1)                              ``slope`` + ``previous_ascent`` (onl
 + adaptive geometry                         + ``anchor`` (x_t: T cannot be recomputed
                                             at x_t + eps) + ``previous_ascent``
                                             (diagnostic)
-fp16 / bf16 parameters                      + ``anchor`` (exact restore; VASSO first
-                                            computes d_t there, before the step's one
-                                            reduction, so that its norm as rounded
-                                            rides along: no buffer of its own)
+fp16 / bf16 parameters                      + ``anchor`` (exact restore; on the host
+                                            path VASSO first computes d_t there, before
+                                            the step's one reduction, so that its norm
+                                            as rounded rides along)
 ==========================================  =========================================
 
 The restore of plain geometry with fp32 parameters subtracts the same ``s * v``
@@ -509,7 +509,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _decides_on_device(self, step: StepInFlight) -> bool:
         """Whether this step keeps its decisions on the device (:mod:`plugins.device_step`): one
-        process or replicas, one device and dtype (float32/64), a GradScaler or none, and a
+        process or replicas, one device and dtype (fp16/bf16 reduced in float32), a GradScaler or none, and a
         slope buffer for every parameter already or for none (the first step: made here, and
         ``d_0 = g_0``, :attr:`StepInFlight.fresh`), and, on a two-pass step where the stability
         keeps one (eVASSO, ASAM), the previous ascent for all or none (zeros, as the host path's)."""

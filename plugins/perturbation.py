@@ -284,8 +284,10 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
         h_sq = h_norm * h_norm
         moved = h_sq > 0.0  # h == 0: left as it is, as below
         # in the gradients' dtype (the sums are float64): a scalar tensor of another dtype sends
-        # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway
+        # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway.
+        # fp16/bf16 take it in float32: rounded to theirs, a factor near 1 would be 1
         dtype = second_grads[0].dtype
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq)).to(dtype)
         torch._foreach_mul_(list(second_grads), factor)
         torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), (moved * -alpha).to(dtype)))

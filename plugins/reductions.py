@@ -17,7 +17,7 @@ import torch
 
 Tensors = Sequence[torch.Tensor]
 
-__all__ = ["FLAT_BELOW", "FLAT_CHUNK", "LONG_CHUNK", "chunk_plan", "Sums", "global_norm", "dot", "long_dot",
+__all__ = ["FLAT_BELOW", "FLAT_CHUNK", "LONG_CHUNK", "WIDE_CHUNK", "LOW_PRECISION", "chunk_plan", "Sums", "global_norm", "dot", "long_dot",
            "long_norm"]
 
 #: Tensors smaller than this many elements are flattened together (one ``torch.cat``
@@ -31,24 +31,36 @@ FLAT_CHUNK = 1 << 20
 #: pieces of this length: cuBLAS's dot takes a 32-bit length (it raises from 2^31 elements,
 #: a 2.15-billion-parameter flat buffer), and one piece keeps every shorter tensor's rounding.
 LONG_CHUNK = 1 << 30
+#: fp16/bf16 are reduced in float32; an inner product of theirs widens this many elements
+#: of each at a time (the transient copies: 64 MiB each).
+WIDE_CHUNK = 1 << 24
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 _NORM, _INNER, _NORM_OF = "norm", "inner", "norm_of"
 
 
 def long_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``<x, y>`` of two 1-D tensors of any length (0-dim, in their dtype): one ``torch.dot``
-    up to :data:`LONG_CHUNK` elements, else the sum of the pieces' dots."""
+    """``<x, y>`` of two 1-D tensors of any length (0-dim): in their dtype, one ``torch.dot`` up
+    to :data:`LONG_CHUNK` elements, else the sum of the pieces' dots; fp16/bf16 in float32,
+    widened :data:`WIDE_CHUNK` elements at a time (their own dot rounds the sum to 8 or 11 bits)."""
+    if x.dtype in LOW_PRECISION:
+        if x.numel() <= WIDE_CHUNK:
+            return torch.dot(x.float(), y.float())
+        return torch.stack([torch.dot(a.float(), b.float()) for a, b in zip(x.split(WIDE_CHUNK), y.split(WIDE_CHUNK))]).sum()
     if x.numel() <= LONG_CHUNK:
         return torch.dot(x, y)
     return torch.stack([torch.dot(a, b) for a, b in zip(x.split(LONG_CHUNK), y.split(LONG_CHUNK))]).sum()
 
 
 def long_norm(x: torch.Tensor) -> torch.Tensor:
-    """``||x||`` of a tensor of any length (0-dim, in its dtype), in pieces as :func:`long_dot`."""
+    """``||x||`` of a tensor of any length (0-dim), in pieces as :func:`long_dot`: in its dtype,
+    fp16/bf16 in float32 (fp16's own norm overflows at 65504)."""
+    wide = torch.float32 if x.dtype in LOW_PRECISION else None
     if x.numel() <= LONG_CHUNK:
-        return torch.linalg.vector_norm(x)
+        return torch.linalg.vector_norm(x, dtype=wide)
     flat = x.reshape(-1)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(c) for c in flat.split(LONG_CHUNK)]))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(c, dtype=wide)
+                                                 for c in flat.split(LONG_CHUNK)]))
 
 
 def chunk_plan(tensors: Tensors) -> List[List[int]]:

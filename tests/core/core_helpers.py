@@ -119,9 +119,9 @@ def coin_seed(p: float, skipped: int = 2) -> int:
 
 def decided_on_device(kind: str, dtype=torch.float32) -> bool:
     """Whether the member's steps are decided on the device (``plugins.ondevice``), the first
-    included: fp32/fp64 parameters, a GradScaler or none, every member
+    included: parameters of one dtype (fp16/bf16 too), a GradScaler or none, every member
     (``SharpnessAware._decides_on_device``)."""
-    return dtype in (torch.float32, torch.float64)
+    return dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def expected_syncs(kind: str, coins, dtype=torch.float32, fused: bool = False):

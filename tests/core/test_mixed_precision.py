@@ -416,14 +416,16 @@ def test_bf16_parameters_train_and_are_restored_exactly(device, kind):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["VASSO", "eVASSO", "V+G", "adaptive eVASSO"])
 def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_after(monkeypatch, kind, dtype):
-    """fp16/bf16 VASSO computes d_t before the step's one reduction (in the anchor
-    buffers) so that the norm of d_t as rounded rides along: the same weights, slopes and
-    diagnostics, bit for bit, as updating d_t in place and reading its norm after (the
-    path a CPU model with large tensors takes), a non-finite g_t included."""
+    """On the host path (what sharded or partitioned parameters take), fp16/bf16 VASSO
+    computes d_t before the step's one reduction (in the anchor buffers) so that the norm
+    of d_t as rounded rides along: the same weights, slopes and diagnostics, bit for bit,
+    as updating d_t in place and reading its norm after (the path a CPU model with large
+    tensors takes), a non-finite g_t included."""
     skip_without_cpu_matmul(dtype)
     def run():
         model = make_model().to(dtype)
         opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+        opt._decide_on_device = False  # the host path, on one process
         syncs, diags = [], []
         for t, (x, y) in enumerate(make_batches(8)):
             def closure():
@@ -454,6 +456,64 @@ def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_aft
     two_pass = [d["two_pass"] == 1.0 for d in fused[2]]
     assert sum(two_pass[1:]) >= 3 and fused[3] == [2 if tp else 1 for tp in two_pass]
     assert separate[3] == [f + int(tp and t > 0) for t, (f, tp) in enumerate(zip(fused[3], two_pass))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_low_precision_steps_on_the_device_follow_the_host_path(kind, dtype):
+    """fp16/bf16 parameters take the device path (float32 norms, d_t in their dtype, x_t
+    restored from its anchor): 6 steps, a non-finite g_t among them, end where the host
+    path's do, to their rounding, with the same diagnostics to float32's, and 1 sync per step
+    over SGD where the host path reads 2 on a two-pass step."""
+    skip_without_cpu_matmul(dtype)
+
+    def run(on_device):
+        model = make_model().to(dtype)
+        opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+        opt._decide_on_device = on_device
+        syncs, diags = [], []
+        for t, (x, y) in enumerate(make_batches(6)):
+            def closure():
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x.to(dtype)).float(), y)
+                loss.backward()
+                if t == 3 and opt.in_flight is False:
+                    model[0].weight.grad[0, 0] = INF
+                return loss
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with CountSyncs() as counted:
+                    opt.step(closure)
+            syncs.append(counted.count)
+            diags.append({k: float(v) for k, v in opt.diagnostics.items()})
+        return flat(model.parameters()).double(), diags, syncs, opt.nonfinite_steps
+
+    device, host = run(True), run(False)
+    torch.testing.assert_close(device[0], host[0], rtol=0.02, atol=0.02)
+    assert device[3] == host[3] == 1
+    for d, h in zip(device[1], host[1]):
+        assert d.keys() == h.keys()
+        for key in ("two_pass", "ascent_norm", "sharpness"):
+            assert d[key] == pytest.approx(h[key], rel=1e-2, nan_ok=True), key
+    assert device[2] == [1] * 6 and max(host[2]) == 2
+
+
+@pytest.mark.parametrize("kind", ["SAM", "VASSO"])
+def test_fp16_gradients_past_its_range_in_norm_are_finite(kind):
+    """Finite fp16 gradients whose norm is past 65504 take the step: the device path's
+    finiteness check reduces them in float32, as the host path does."""
+    skip_without_cpu_matmul(torch.float16)
+    weight = torch.nn.Parameter(torch.zeros(200_000, dtype=torch.float16))
+    opt = build(kind, [weight], torch.optim.SGD, lr=1e-6, rho=0.05)
+    weight.grad = torch.full_like(weight, 200.0)  # ||g|| = 89,443
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a step skipped as non-finite warns
+        assert opt.perturb()
+        opt.restore()
+        weight.grad = torch.full_like(weight, 200.0)
+        assert opt.descend()
+    assert opt.nonfinite_steps == 0 and opt._lists.flat_slope is not None
+    assert float(weight.detach()[0]) < 0
 
 
 class _SeparateNorm(O.StepLists):

@@ -4,7 +4,7 @@ by a test that fails without its fix (docs/design.md, "The step"):
 * GSAM's correction factor in the gradients' dtype (a float64 scalar sends CUDA's foreach
   ops to one kernel per tensor);
 * norms and inner products over flat buffers of any length (cuBLAS's dot takes a 32-bit
-  length), checked with a small chunk;
+  length), checked with a small chunk; fp16/bf16 ones in float32;
 * a read-only finiteness check of ``h_t``;
 * a skipped step leaves a fused base's state as it was, its first step included;
 * the verdicts' pinned host slots reused;
@@ -22,22 +22,25 @@ from core_helpers import Dispatched, build, closure_for, make_batches, make_mode
 from gpu_numerics import WITHIN_TOLERANCE, comparing
 
 
-def warm(kind, steps=2, base=torch.optim.SGD, **kw):
+def warm(kind, steps=2, base=torch.optim.SGD, dtype=torch.float32, **kw):
     """A model and an optimizer after ``steps`` steps: later steps are decided on the device."""
-    model = make_model()
+    model = make_model().to(dtype)
     opt = build(kind, model.parameters(), base, lr=0.05, rho=0.2, **kw)
     for x, y in make_batches(steps):
-        opt.step(closure_for(opt, model, x, y))
+        opt.step(closure_for(opt, model, x.to(dtype), y))
     assert opt._lists.flat_slope is not None
     return model, opt
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", ["GSAM", "V+G"])
-def test_gsams_factor_multiplies_the_gradients_in_their_own_dtype(kind):
-    model, opt = warm(kind)
+def test_gsams_factor_multiplies_the_gradients_in_their_own_dtype(kind, dtype):
+    """float32 gradients: a float32 factor (not the sums' float64); bf16 ones: float32 too,
+    in which a factor near 1 is not rounded to 1."""
+    model, opt = warm(kind, dtype=dtype)
     x, y = make_batches(3, seed=5)[2]
     with Dispatched("_foreach_mul_", "_foreach_mul") as rec:
-        opt.step(closure_for(opt, model, x, y))
+        opt.step(closure_for(opt, model, x.to(dtype), y))
     scalars = [a[1] for _, a in rec.calls if torch.is_tensor(a[1])]
     assert scalars, "GSAM's correction made no foreach product with a tensor scalar"
     assert {s.dtype for s in scalars} == {torch.float32}, [s.dtype for s in scalars]
@@ -54,6 +57,24 @@ def test_long_dot_and_norm_take_pieces_below_the_chunk(monkeypatch):
     assert norm.item() == pytest.approx(x.double().norm().item(), rel=1e-6)
     short = torch.randn(10, generator=g)  # up to the chunk: one kernel, torch's own rounding
     assert torch.equal(reductions.long_dot(short, short), torch.dot(short, short))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_norms_and_dots_are_taken_in_float32_in_pieces(dtype, monkeypatch):
+    """fp16/bf16 flat buffers reduce in float32: fp16's own norm of finite elements
+    overflows at 65504, and a dot rounded to 8 bits would swamp the stability's difference.
+    The widened copies stay under WIDE_CHUNK elements."""
+    big = torch.full((200_000,), 200.0, dtype=dtype)  # ||big|| = 89,443: past fp16's range
+    assert reductions.long_norm(big).item() == pytest.approx(200.0 * math.sqrt(200_000), rel=1e-6)
+    assert torch.isfinite(ondevice.total_norm([big, big[:10]])).item()
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(55, generator=g).to(dtype) for _ in range(2))
+    exact = torch.dot(x.double(), y.double()).item()
+    monkeypatch.setattr(reductions, "WIDE_CHUNK", 10)
+    with Dispatched("dot") as rec:
+        dot = reductions.long_dot(x, y)
+    assert dot.dtype == torch.float32 and dot.item() == pytest.approx(exact, rel=1e-6, abs=1e-6)
+    assert len(rec.calls) == 6 and all(a[0].numel() <= 10 and a[0].dtype == torch.float32 for _, a in rec.calls)
 
 
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO", "ASAM"])

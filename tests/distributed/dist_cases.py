@@ -289,7 +289,8 @@ def host_waits():
 
 def low_precision_vasso():
     """VASSO with bf16 parameters (its d_t rounded to bf16: the norm is d_t's as rounded)
-    under DDP, FSDP2 and ZeroRedundancyOptimizer, against one process in bf16:
+    under DDP, FSDP2 and ZeroRedundancyOptimizer, against one process in bf16 on the path
+    the setting takes (DDP: the device path; FSDP2 and ZeRO: the host path):
     {(setting, kind): (relative error of the weights, the reference's sharpness per
     step, each step's counted_steps)}.  ZeRO without DDP: every rank computes the whole
     batch's gradient, as one process does."""
@@ -300,11 +301,15 @@ def low_precision_vasso():
     data = [(x.bfloat16(), y) for x, y in (batches(world) * 2)[:6]]
     out = {}
     for kind in ("VASSO", "adaptive eVASSO"):
-        ref_model = make_model().bfloat16()
-        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
-        ref_diags = run(ref_opt, ref_model, data, "explicit")
-        ref = [w.detach().float() for w in ref_model.parameters()]
+        refs = {}
+        for on_device in (True, False):
+            ref_model = make_model().bfloat16()
+            ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+            ref_opt._decide_on_device = on_device
+            ref_diags = run(ref_opt, ref_model, data, "explicit")
+            refs[on_device] = ([w.detach().float() for w in ref_model.parameters()], ref_diags)
         for setting in ("DDP", "FSDP2", "ZeRO"):
+            ref, ref_diags = refs[setting == "DDP"]
             if setting == "DDP":
                 model = DDP(make_model().bfloat16())
                 opt = build(kind, model.parameters(), torch.optim.SGD)
