@@ -5,8 +5,8 @@
 #   bash scripts/fairseq_tests.sh VENV
 # The sdist is fetched from PyPI at a pinned URL and checked against PyPI's sha256 (no build:
 # `pip download --no-binary` would prepare fairseq's metadata).  Its 51 test_*.py files are
-# those of github.com/JackismyShephard/fairseq at 9fac383 with CRLF line ends (checked
-# 2026-11-25); they are unpacked as they are.  fairseq's tests/utils.py is not in the sdist, nor
+# those of github.com/JackismyShephard/fairseq at 9fac383 with CRLF line ends; they are
+# unpacked as they are.  fairseq's tests/utils.py is not in the sdist, nor
 # in any other package on PyPI (docs/fairseq.md, "Tests"); tests/__init__.py is empty at
 # 9fac383, and the test creates it.
 # Offline, it prints one line and returns 0: the test then skips, saying why (and fails

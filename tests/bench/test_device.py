@@ -356,7 +356,7 @@ def test_a_small_run_reports_every_part(checkouts):
     assert set(t["rounds"]) == set(rows) and all(len(v["ms"]) == 2 for v in t["rounds"].values())
     assert set(t["memory"]) == set(rows)
     text = device.render(res)
-    assert "### Verdicts (issue 33's goal)" in text
+    assert "### Verdicts (the step-cost goal)" in text
     assert "| transformer | VASSO / AdamW, two passes <= 1.03 |" in text
     ratio_rows = [line for line in text.splitlines() if line.startswith("| transformer |") and "rounds)" in line]
     assert len(ratio_rows) == 4 and all(line.endswith("| no verdict: 2 rounds < 30 |") for line in ratio_rows)
@@ -592,7 +592,7 @@ def test_profile_on_the_cpu_says_what_it_cannot_measure():
     assert set(p) == set(phases.PHASES)
     assert p["first pass"]["top_ops"] > 0 and p["second pass"]["top_ops"] > 0 and p["perturb"]["top_ops"] > 0
     assert p["perturb"]["launches"] == 0 and not res["has_gpu"]
-    # the tests' counter: VASSO reads the host at most twice per step in its own phases (issue 33: 2 now)
+    # the tests' counter: VASSO reads the host at most twice per step in its own phases
     own_syncs = sum(p[k]["syncs_counted"] for k in phases.OWN)
     assert 0 <= own_syncs <= 2
     text = profile.render(res)
@@ -643,7 +643,7 @@ def test_host_cost_counts_the_optimizers_own_work():
         # the optimizer's own reads and writes, in model sizes: SAM's copy of g_t, the ascent and the
         # restore alone read and write more than 6; none reads a model's size 60 times
         assert 6 < row["traffic"] < 60, (name, row)
-    # issue 33's goals, on the steps decided on the device (the EMA costs VASSO one kernel, as SAM's
+    # the step-cost goals, on the steps decided on the device (the EMA costs VASSO one kernel, as SAM's
     # copy of g_t): at most 21 ops (SAM) and 26 (VASSO) per step, and one host read with this for-loop
     # base (0 with a fused one: tests/core/test_protocol.py); eVASSO too, its previous ascent kept in a
     # flat buffer (an inner product and a where more, within VASSO's 26); ASAM as well, its T = |x| + eta

@@ -671,7 +671,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_scaled_step_over_sgd(api, kind):
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "eSAM", "eVASSO", "GSAM", "V+G", "ASAM", "adaptive eVASSO"])
 def test_cuda_sync_debug_mode_sees_no_sync_in_a_step_decided_on_the_device(api, kind, precision):
-    """The bf16 path of issue 33 (autocast, no scaler) and its fp16 path (autocast, a
+    """The bf16 autocast path (no scaler) and the fp16 one (autocast, a
     GradScaler), fused AdamW: torch's own sync debug mode sees nothing between the first
     backward and the end of the step, the scaler's step and update included."""
     model = make_model().cuda()

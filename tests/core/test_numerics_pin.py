@@ -1,9 +1,9 @@
 """SAM's and VASSO's single-process trajectories, pinned bit for bit: a change of rounding
 is a decision, announced in its commit, not an accident.
 
-Commit 4a542cc moved the norms to local sums of squares combined once in float64, with the
-square root after. That changed the demo's weights by one float32 rounding after one
-update, and its BLEU table by up to 0.4 after 320 (issue 34), and no test noticed: the
+Taking the norms as local sums of squares combined once in float64, with the square root
+after, instead of combining float32 norms, changes the demo's weights by one float32
+rounding after one update and its BLEU table by up to 0.4 after 320. The
 bit-for-bit pins of tests/core/test_state_dict.py use a model of 4 small tensors whose norm
 reduces in one part, where the old float32 combination and the float64 one give the same
 number. This model's norms reduce in 12 parts, over 26 tensors of 1 to 65,536 elements

@@ -89,7 +89,7 @@ def alive_in_second_pass(opt, inner, watched):
 def test_the_buffers_the_flat_slope_replaces_are_freed_before_the_second_pass(kind):
     """The first step decided on the device moves the slope buffers into one flat tensor: the
     per-parameter buffers it replaces are gone before that step's second pass (held through
-    it, they would add one model's size to the peak memory, as issue 33's H100 run showed)."""
+    it, they would add one model's size to the peak memory, as an H100 run showed)."""
     model = make_model()
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.05, rho=0.2)
     batches = make_batches(2)

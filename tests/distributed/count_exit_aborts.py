@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Counts ranks that abort at exit under load (issue 34): the 4-rank flat-shards case
+"""Counts ranks that abort at exit under load: the 4-rank flat-shards case
 (``flat_cases:every_member``) and the 2-rank FSDP2 case (``state_cases:at_any_point``)
 run RUNS times each through ``spawn_helpers.run_ranks`` while BUSY busy-loop processes
 keep the machine loaded; each run's ranks' exit statuses are tallied.  With ``--fairseq``,

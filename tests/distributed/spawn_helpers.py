@@ -80,7 +80,7 @@ def _main(target, rank, world, port, tmp):
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
         # no collective in flight at exit: gloo's barrier waits for this rank's earlier work
         # (an optimizer's async loss-gap all_reduce nobody read), whose completion on a gloo
-        # thread after the interpreter began to finalize aborts the process (issue 34)
+        # thread after the interpreter began to finalize aborts the process
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -2,7 +2,7 @@
 ``--ddp-backend fully_sharded``; torch's FSDP1 without ``use_orig_params``, run here too):
 ``PartitionGroup(group, model_gathers=True)`` gives the one-process step for every member
 of plain geometry, on 2 and 4 gloo ranks, with the padding left at zero; adaptive
-geometry and wrong splits are refused (issue 25).
+geometry and wrong splits are refused.
 
 One spawn per world size (flat_cases.every_member) runs every case; fairscale's FSDP
 itself needs CUDA, so the loop does what it does by hand (see flat_cases)."""

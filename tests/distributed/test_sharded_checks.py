@@ -1,6 +1,6 @@
 """Two gloo ranks, one spawn (dist_cases.two_rank_checks): the host waits of a
 distributed step, FSDP2 with mixed precision and with a loss scaler, and wrong use
-refused with an error that says what to pass (issue 24)."""
+refused with an error that says what to pass."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """The one-process step under DDP, FSDP2 (uneven shards, an empty shard, reshard after
 forward or not, a 2-D replicate x shard mesh), ZeroRedundancyOptimizer and fairscale's
-OSS, for every member of the family, on 1, 2 and 4 gloo ranks (issue 24).
+OSS, for every member of the family, on 1, 2 and 4 gloo ranks.
 
 One spawn per world size runs every case (dist_cases.every_setting); each rank trains
 the one-process reference on the whole batch beside the distributed run on its slice."""

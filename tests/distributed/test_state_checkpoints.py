@@ -1,4 +1,4 @@
-"""Checkpoints of the sharded step (issue 24, "State"): torch.distributed.checkpoint under
+"""Checkpoints of the sharded step: torch.distributed.checkpoint under
 FSDP2 saves and loads the optimizer (d_t, the diagnostic's buffer, AdamW's moments, the
 step counter and the coin's seed) through get/set_optimizer_state_dict; resuming on the
 same world size continues bit for bit, on another world size (2 -> 4 ranks, one of them

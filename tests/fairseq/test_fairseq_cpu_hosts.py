@@ -1,6 +1,6 @@
 """The tests' ``--cpu`` fairseq runs are the same on a CPU-only host and on a GPU host
 (tests/helpers/cpu_only.py): stock fairseq's ``--cpu`` puts the gradient norm on a GPU it sees
-(``utils.clip_grad_norm_``), so ``--cpu --clip-norm 0.5`` stopped where there is one (issue 31).
+(``utils.clip_grad_norm_``), so ``--cpu --clip-norm 0.5`` would stop where there is one.
 
 No GPU is needed to show it: a visible GPU is faked by torch's reports (``is_available()``
 True, ``current_device()`` the ``meta`` device standing for ``cuda:0``: another device than

@@ -1,4 +1,4 @@
-"""Item 5 and issue 18: every fairseq precision mode a GPU user picks, on a CPU.
+"""Every fairseq precision mode a GPU user picks, on a CPU.
 
 --fp16 --fp16-no-flatten-grads runs through fairseq-train on a CPU as it is and stays
 close to fp32.  --amp, flattened --fp16 and --memory-efficient-fp16 run fairseq's own

@@ -188,7 +188,7 @@ def _needs_utils(suite):
 
 def test_fairseqs_valid_subset_tests_that_pass_none_in_the_command_line(suite):
     """fairseq's helpers hand parse_args_and_arch ``None`` items (``--save-dir None``): these two
-    failed with the plugin's parse (issue 25); they call none of tests/utils.py's helpers (their
+    would fail with a parse that did not take them; they call none of tests/utils.py's helpers (their
     module imports it)."""
     _needs_utils(suite)
     for name in ("test_dummy_task", "test_masked_dummy_task"):

@@ -41,7 +41,7 @@ MODELS: Dict[str, Dict[str, Any]] = {
     "many-small": dict(kind="many-small", blocks=150, width=32, batch=64),
 }
 # 30 x [Linear(32, 32), LayerNorm(32)], no head: 120 small tensors, where the wrapper's per-step
-# bookkeeping shows against AdamW with the same two passes (issue 10's targets)
+# bookkeeping shows against AdamW with the same two passes (the benchmark's floor targets)
 FLOOR_MODEL: Dict[str, Any] = dict(kind="many-small", blocks=30, width=32, batch=64, head=False)
 TINY_FLOOR_MODEL: Dict[str, Any] = dict(kind="many-small", blocks=3, width=4, batch=3, head=False)
 # for the tests: seconds, not minutes

@@ -402,7 +402,7 @@ def check_host_syncs(device: str) -> Figure:
     return figure, details
 
 
-#: the members whose steps are decided on the device: every one (ASAM's geometry too since 2026-11-28);
+#: the members whose steps are decided on the device: every one, ASAM's geometry too;
 #: the host path stays for sharded parameters, several devices, partition_group (docs/design.md, "Where a step is decided")
 ON_DEVICE = tuple(MEMBERS)
 

@@ -63,7 +63,7 @@ each mode (``scripts/benchmark/benchmark.py`` runs it).
    AdamW base: CUDA-event times over ``--rounds`` (>= 30) interleaved rounds after a warm-up
    (with ``--seconds S``, more while S seconds per model last), medians and IQRs, ratios to
    AdamW with two passes, peak memory of each method alone on the device, and the verdicts
-   of issue 33's goal where the 95 % interval of the median ratio allows one
+   of the step-cost goal where the 95 % interval of the median ratio allows one
    (:mod:`vasso_bench.device`).  ``--device cuda --quick`` keeps the rows the verdicts
    need; either fits 2 minutes of one H100.  Interrupted (Ctrl-C, SIGTERM), it writes the
    report of the rounds finished and exits 130.  ResNet-50 needs torchvision: where it cannot

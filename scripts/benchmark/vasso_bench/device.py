@@ -1,7 +1,7 @@
 """The device benchmark (``scripts/benchmark/benchmark.py --device cuda``): every member of the family,
 AdamW with one and with two passes, and the anchors (the authors' VASSO, davda54's SAM) where
 the user points at their checkouts, on ResNet-50 and an IWSLT-sized transformer, with bf16
-autocast and AdamW as the base.  It gives the verdicts of issue 33's goal where the spread of
+autocast and AdamW as the base.  It gives the verdicts of the step-cost goal (``GOAL``) where the spread of
 the rounds allows one.
 
 * **Time**: every method has its own copy of the model (the same initialization) and shares
@@ -90,7 +90,7 @@ ADAMW_IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": T
 #: the rows of ``--quick``: those the goal's verdicts need
 QUICK_ROWS = ("adamw-1pass", BASELINE, "SAM", "VASSO", "ref-vasso", "ref-sam")
 
-#: the goal of issue 33: (method, over what, limit, text); "faster" is a limit of 1 on the ratio
+#: the step-cost goal: (method, over what, limit, text); "faster" is a limit of 1 on the ratio
 GOAL = [
     ("VASSO", BASELINE, 1.03, "VASSO / AdamW, two passes <= 1.03"),
     ("SAM", BASELINE, 1.02, "SAM / AdamW, two passes <= 1.02"),
@@ -448,7 +448,7 @@ def goal_rows(results: Dict[str, Any]) -> List[List[str]]:
 
 
 def _ms(x: Optional[float]) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:.2f}"  # (n/a: reports before 2026-11-28)
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.2f}"  # (n/a: a report without the figure)
 
 
 def _size(nbytes: Optional[float]) -> str:
@@ -590,7 +590,7 @@ def render(results: Dict[str, Any]) -> str:
         out += [f"Left out (no checkout given): {', '.join(ROWS[r][0] for r in results['left_out'])}.", ""]
     for md, why in results.get("models_left_out", {}).items():
         out += [f"Left out: the model {md}, which {why}.", ""]
-    out += ["### Verdicts (issue 33's goal)", "",
+    out += ["### Verdicts (the step-cost goal)", "",
             f"PASS: the 95 % confidence interval (CI) of the median per-round ratio meets the goal; MISS: none of "
             f"it does; too noisy: it straddles the goal (more rounds, `--rounds` or `--seconds`, narrow it); "
             f"no verdict under {results.get('min_rounds', MIN_ROUNDS)} rounds. The IQR is the rounds' spread.", "",

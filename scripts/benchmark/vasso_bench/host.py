@@ -1,4 +1,4 @@
-"""The optimizer's own cost on the host, the CPU proxies of issue 33
+"""The optimizer's own cost on the host, the CPU proxies of the device benchmark's goal
 (``scripts/benchmark/benchmark.py --host-cost``):
 
 * **ops and host syncs per step** of every member on 30 x [Linear(32, 32), LayerNorm(32)]
