@@ -42,9 +42,10 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
     ``buffered_stability``: from the previous ascent kept flat (eVASSO, ASAM), which takes
     ``eps_t`` here.  What the restore needs of ``x_t`` (``step.anchors``) is kept already."""
     lists = step.lists
+    layout = lists.layout
     v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
     if theta is None and not step.two_pass:         # SAM's slope keeps the last ascent's g: only check g_t
-        return ondevice.total_norm(step.grads) < math.inf, None, None, None
+        return _total_norm(step.grads, layout) < math.inf, None, None, None
     grads = step.grads
     if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
         grads = scaling.unscale(grads, step.loss_scale, in_place=False)
@@ -53,18 +54,23 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
         previous.copy_(v.flat)
 
         def norm() -> torch.Tensor:                     # ||v_t||: finite iff g_t is (v_{t-1} is)
-            out["norm"] = slope_norm = long_norm(v.flat)
+            if layout.collective:  # the ranks' parts: ||v_t|| and the stability's inner product in one all_reduce
+                out["norm"] = slope_norm = _global_terms(v.flat, out, layout, [
+                    previous if step.two_pass and scalar_stability else None,
+                    lists.flat_previous_ascent.flat if step.two_pass and buffered_stability and not adaptive else None])
+            else:
+                out["norm"] = slope_norm = long_norm(v.flat)
             out["finite"] = finite = slope_norm < math.inf
             torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
             return slope_norm
 
         def ascend(slope_norm: torch.Tensor) -> torch.Tensor:  # x_t + eps_t, through v_{t-1}'s copy (used up)
             finite = out["finite"]
-            if scalar_stability:
+            if scalar_stability and out["inner"] is None:
                 out["inner"] = long_dot(v.flat, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
             if adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite
                 scaled_norm, unit = _adaptive_direction(eta, lists, v, previous, pieces, finite)
-                out["ascent"] = (scaled_norm, long_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
+                out["ascent"] = (scaled_norm, _norm(previous, layout) * step.rho)  # (||T v_t||, ||eps_t||)
             else:  # v_t / ||v_t|| in one kernel over the flat buffer, 0 if not finite; rho rides along below
                 unit = P.ascent_scale(1.0, slope_norm)
                 torch.mul(v.flat, unit, out=previous)
@@ -72,7 +78,8 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
             if buffered_stability:  # eVASSO, ASAM: the previous ascent eps_last, kept flat
                 kept = lists.flat_previous_ascent
                 # the stability's inner product: ASAM's <eps_t / rho, eps_last>, else <v_t, eps_last>
-                out["inner"] = long_dot(previous if adaptive else v.flat, kept.flat)
+                if out["inner"] is None:
+                    out["inner"] = _dot(previous if adaptive else v.flat, kept.flat, layout)
                 # eps_t = rho * that product is the next previous ascent, where g_t was finite
                 torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
             return unit
@@ -83,6 +90,45 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
     P.moved_parameters()
     return out["finite"], slope_norm, out["inner"], out["ascent"]
+
+
+def _global_terms(x: torch.Tensor, out: dict, layout, others) -> torch.Tensor:
+    """``||x||`` over every rank's part, and ``<x, y>`` for each ``y`` of ``others`` given (into
+    ``out["inner"]``, the last one given): this rank's norm squared and inner products, summed
+    in float64 by one ``all_reduce`` on the device."""
+    local = long_norm(x)
+    others = [y for y in others if y is not None]
+    terms = layout.all_reduce(torch.stack([local.double().square()] + [long_dot(x, y).double() for y in others]))
+    if others:
+        out["inner"] = terms[-1].to(local.dtype)
+    return terms[0].sqrt().to(local.dtype)
+
+
+def _norm(x: torch.Tensor, layout) -> torch.Tensor:
+    """``||x||`` over every rank's part: this rank's norm, and where the parts are spread over
+    ranks (FSDP2) their squares summed in float64 by one ``all_reduce`` on the device."""
+    local = long_norm(x)
+    if not layout.collective:
+        return local
+    return layout.all_reduce(local.double().square()).sqrt().to(local.dtype)
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor, layout) -> torch.Tensor:
+    """``<x, y>`` over every rank's part, as :func:`_norm`."""
+    local = long_dot(x, y)
+    if not layout.collective:
+        return local
+    return layout.all_reduce(local.double()).to(local.dtype)
+
+
+def _total_norm(tensors: Sequence[torch.Tensor], layout) -> torch.Tensor:
+    """The 2-norm of a list of tensors over every rank's parts (0-dim, on the device)."""
+    if not layout.collective:
+        return ondevice.total_norm(tensors)
+    norms = ondevice.norms(tensors)
+    squares = torch.stack(norms).double().square().sum() if norms else torch.zeros(
+        (), dtype=torch.float64, device=layout.device)
+    return layout.all_reduce(squares).sqrt().float()
 
 
 def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: torch.Tensor, pieces, finite):
@@ -98,7 +144,7 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: to
         torch._foreach_zero_(plain)
         torch._foreach_add_(plain, 1.0)
     scaled = torch.mul(v.flat, into)                    # T v_t (a model-sized temporary, freed on return)
-    scaled_norm = long_norm(scaled)
+    scaled_norm = _norm(scaled, lists.layout)
     unit = torch.where(finite, P.ascent_scale(1.0, scaled_norm), 0.0)  # a non-finite g_t moves nothing
     into.mul_(scaled).mul_(unit)                        # T (T v_t) / ||T v_t||
     return scaled_norm, unit
@@ -147,13 +193,14 @@ def diagnose(step: StepInFlight, slope_norm: torch.Tensor, inner, ascent, last: 
 
 def verdict_(found_inf_first: torch.Tensor, found_inf: Optional[torch.Tensor], grads: Sequence[torch.Tensor],
              grad_scale: Optional[torch.Tensor], one: torch.Tensor, zero: torch.Tensor, *,
-             check: bool) -> torch.Tensor:
+             check: bool, layout=None) -> torch.Tensor:
     """The verdict on the step as torch's ``found_inf`` (0-dim float32 on the device, 1.0:
     skip), with no host read: ``g_t``'s (``found_inf_first``, from :func:`rule`), joined by a
     scaler's verdict ``found_inf`` on ``.grad`` (``h_t``, or a one-pass step's ``g_t``, not
     checked again) or, with ``check`` and no scaler, by ``h_t``'s finiteness (written into
     ``found_inf_first``).  ``grads`` are unscaled by ``grad_scale`` (the scale ``.grad`` still
-    carries) here, exactly once."""
+    carries) here, exactly once.  ``layout``: where the parts are spread over ranks, the verdict
+    is every rank's."""
     verdict = found_inf_first
     if found_inf is not None:
         verdict = torch.maximum(verdict, torch.where(found_inf.to(verdict.device) > 0, one, zero))
@@ -161,4 +208,8 @@ def verdict_(found_inf_first: torch.Tensor, found_inf: Optional[torch.Tensor], g
         scaling.unscale(grads, grad_scale, in_place=True)
     if check and found_inf is None:
         ondevice.check_finite_(grads, verdict, one)  # h_t's too
+    if layout is not None and layout.collective and (check or found_inf is not None):
+        # every rank takes the step, or none: h_t's and a scaler's verdicts are this rank's (g_t's
+        # came from the global norm), joined by one all_reduce
+        verdict = torch.where(layout.all_reduce(verdict.clone()) > 0, one, zero)
     return verdict

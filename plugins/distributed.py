@@ -36,7 +36,7 @@ import torch
 
 from .validation import check
 
-__all__ = ["dtensor_classes", "is_dtensor", "local", "PartitionGroup", "Layout", "AscentExchange", "exchange_for",
+__all__ = ["dtensor_classes", "is_dtensor", "like", "local", "PartitionGroup", "Layout", "AscentExchange", "exchange_for",
            "exchange_sums", "move_others"]
 
 _DTENSOR: Optional[tuple] = None
@@ -72,6 +72,16 @@ def dtensor_classes() -> tuple:
 def is_dtensor(t: Any) -> bool:
     cls = dtensor_classes()[0]
     return cls is not None and isinstance(t, cls)
+
+
+def like(q: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``part`` (this rank's local tensor) as ``q`` holds it: a DTensor on ``q``'s mesh with its
+    placements, shape and strides that aliases ``part``, where ``q`` is a DTensor; else ``part``."""
+    if not is_dtensor(q):
+        return part
+    with torch.no_grad():
+        return dtensor_classes()[0].from_local(part, q.device_mesh, q.placements, run_check=False,
+                                               shape=q.shape, stride=q.stride())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -145,6 +155,9 @@ class Layout:
         self.device = params[0].device if params else torch.device("cpu")
         self.counted: Optional[List[int]] = None
         self.groups: List[Any] = []
+        # DTensors sharded alike on every mesh dimension that shards any: each rank adds its
+        # whole local part, on every rank (no replicated dimension to count once)
+        self.every_rank_counts = False
         DTensor, Shard, Replicate = dtensor_classes()
         kinds = []
         for i, q in enumerate(params):
@@ -199,6 +212,7 @@ class Layout:
                                  f"{tuple(q.placements)}: the optimizer needs them alike (Partial gradients must "
                                  "be reduced first)")
         union = sorted(set().union(*shard_dims))
+        self.every_rank_counts = bool(union) and all(dims == set(union) for dims in shard_dims) and len(union) == mesh.ndim
         coordinate = mesh.get_coordinate()
         if coordinate is None:
             raise ValueError("this rank is not in the parameters' device mesh")

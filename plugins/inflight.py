@@ -102,14 +102,21 @@ class StepLists:
         self._constants = None
         # the base optimizer has stepped over this set: a fused base's state exists (plugins.ondevice.base_step)
         self.base_stepped = False
-        # a step may be decided on the device: one device and dtype, dense tensors, one process
-        # or replicas (SharpnessAware._decides_on_device adds what the step's options allow)
-        self.on_device = (bool(params) and not layout.sharded and not layout.collective
-                          and len({(q.device, q.dtype) for q in params}) == 1 and all(map(dense, params)))
+        # a step may be decided on the device: one device and dtype, dense local parts, one process,
+        # replicas, or DTensors that every rank counts whole (FSDP2: the sums are all-reduced on the
+        # device); SharpnessAware._decides_on_device adds what the step's options allow
+        split = layout.sharded and layout.every_rank_counts if layout.collective else not layout.sharded
+        self.on_device = (bool(params) and split and len({(q.device, q.dtype) for q in locals_}) == 1
+                          and all(map(dense, locals_)))
         # where the parameters' data lie: the flat buffer mirrors their strides and storage_params alias
         # their storage, so a parameter whose .data is replaced (module.to(memory_format=...)) must
         # not find these lists again (checked by the optimizer's cache)
-        self.pointers = list(map(torch.Tensor.data_ptr, params)) if self.on_device else None
+        self.pointers = self.data_pointers() if self.on_device else None
+
+    def data_pointers(self) -> List[int]:
+        """Where the parameters' local parts lie now (compared with :attr:`pointers`)."""
+        return [t.data_ptr() for t in self.local_params()] if self.layout.sharded else list(
+            map(torch.Tensor.data_ptr, self.params))
 
     def constants(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """0.0, 1.0 and 2.0 as 0-dim float32 tensors on the parameters' device, made once:

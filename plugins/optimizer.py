@@ -166,7 +166,7 @@ class SharpnessAware(torch.optim.Optimizer):
     Distributed, the step is the one-process step on the whole batch, on every rank
     (``docs/design.md``, "Where a step is decided"): under DDP nothing changes; under FSDP2 the
     parameters are DTensors and each rank computes on its shard, with one
-    ``all_reduce`` of a few floats per decision; under ZeRO / OSS pass
+    ``all_reduce`` of a few floats per decision, on the device; under ZeRO / OSS pass
     ``partition_group``.  There the wrapper's ``step()`` calls this one, so the closure
     API is ``zero.step(closure, model=model)`` and the explicit API reaches this
     optimizer as ``zero.optim`` (OSS: ``oss.optim``)::
@@ -340,7 +340,7 @@ class SharpnessAware(torch.optim.Optimizer):
         cached = self._lists
         if cached is not None and len(cached.params) == len(params) and all(
                 map(operator.is_, cached.params, params)) and (
-                cached.pointers is None or cached.pointers == list(map(torch.Tensor.data_ptr, params))):
+                cached.pointers is None or cached.pointers == cached.data_pointers()):
             return cached
         names: List[Optional[str]] = []
         for group in self.param_groups:
@@ -515,6 +515,8 @@ class SharpnessAware(torch.optim.Optimizer):
         keeps one (eVASSO, ASAM), the previous ascent for all or none (zeros, as the host path's)."""
         if not (self._decide_on_device and step.lists.on_device and self.partition_group is None):
             return False
+        if self.adaptive and step.lists.layout.collective:
+            return False  # ASAM over ranks: its three norms would cost three collectives where the host path's cost one
         dtype = step.lists.params[0].dtype
         if any(g.dtype is not dtype for g in step.grads):
             return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
@@ -852,12 +854,19 @@ class SharpnessAware(torch.optim.Optimizer):
         scaler, ``found_inf`` is the scaler's verdict on ``.grad`` and ``grad_scale`` the scale
         ``.grad`` still carries."""
         zero, one, two = step.lists.constants()
+        layout = step.lists.layout
         grads = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
+        gsam = step.kind is Kind.PERTURBED and self.gsam_alpha > 0.0 and step.rho > 0.0 and grads  # (rho 0: h == g)
         verdict = device_step.verdict_(step.found_inf, found_inf, grads, grad_scale, one, zero,
-                                       check=step.kind is Kind.PERTURBED)
-        if step.kind is Kind.PERTURBED and self.gsam_alpha > 0.0 and step.rho > 0.0 and grads:  # (rho 0: h == g)
+                                       check=step.kind is Kind.PERTURBED, layout=None if gsam else layout)
+        if gsam:
             second, firsts, plan = self._second_grads(step)
-            h_norm, g_dot_h = Sums().norm("h", second).inner("g_dot_h", firsts, second).reduce(plan).unbind(0)
+            sums = Sums().norm("h", second).inner("g_dot_h", firsts, second)
+            if layout.collective:  # the ranks' verdicts ride along with GSAM's sums: one all_reduce
+                h_norm, g_dot_h, verdict = sums.reduce(plan, layout=layout, extra={"verdict": verdict}).unbind(0)
+                verdict = torch.where(verdict > 0, one, zero)
+            else:
+                h_norm, g_dot_h = sums.reduce(plan).unbind(0)
             self._gsam_correct(step, second, firsts, h_norm, g_dot_h)  # h_t - alpha g_t^perp
         code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
         read = ondevice.base_step(self.base_optimizer, verdict, code,  # the code, where the host had to read it

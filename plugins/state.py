@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import ondevice, perturbation
+from . import distributed as D, ondevice, perturbation
 from .diagnostics import as_float
 
 __all__ = ["PERSISTENT", "counters_dict", "split_entry", "MergedState", "state_dict", "load_state_dict",
@@ -408,22 +408,23 @@ def flat_buffer(opt, lists, key: str, *, new: bool = False) -> Optional["ondevic
         missing = sum(v is None for v in kept)
         if missing and not (new and missing == len(kept)):
             return None
-        flat = ondevice.Flat(lists.params)
+        locals_ = lists.local_params()
+        flat = ondevice.Flat(locals_)
         if missing:
             flat.flat.zero_()
         else:
-            torch._foreach_copy_(flat.views, kept)
+            torch._foreach_copy_(flat.views, [D.local(v) for v in kept])
         for q, v in zip(lists.params, flat.views):
-            own[q][key] = v
+            own[q][key] = D.like(q, v)  # a DTensor parameter's state is a DTensor sharded as it is
         # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps
         # its buffer of its own: as a view it would keep an earlier flat buffer alive
         present = set(map(id, lists.params))
         for q, buffers in own.items():
             s = buffers.get(key)
-            if id(q) not in present and torch.is_tensor(s) and s._base is not None:
-                buffers[key] = s.clone(memory_format=torch.preserve_format)
+            if id(q) not in present and torch.is_tensor(s) and D.local(s)._base is not None:
+                buffers[key] = D.like(q, D.local(s).clone(memory_format=torch.preserve_format))
         lists.buffers[key] = flat.views
         setattr(lists, attribute, flat)
         if lists.storage_params is None:
-            lists.storage_params = ondevice.storage_views(lists.params)
+            lists.storage_params = ondevice.storage_views(locals_)
     return getattr(lists, attribute)

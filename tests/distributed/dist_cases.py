@@ -6,6 +6,8 @@ same process: one process with the whole batch (the reference), and the distribu
 setup under test with this rank's slice of it; the ranks' final weights, gathered, and
 their diagnostics are returned beside the reference's."""
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -290,7 +292,7 @@ def host_waits():
 def low_precision_vasso():
     """VASSO with bf16 parameters (its d_t rounded to bf16: the norm is d_t's as rounded)
     under DDP, FSDP2 and ZeroRedundancyOptimizer, against one process in bf16 on the path
-    the setting takes (DDP: the device path; FSDP2 and ZeRO: the host path):
+    the setting takes (DDP and FSDP2: the device path; ZeRO: the host path):
     {(setting, kind): (relative error of the weights, the reference's sharpness per
     step, each step's counted_steps)}.  ZeRO without DDP: every rank computes the whole
     batch's gradient, as one process does."""
@@ -309,7 +311,7 @@ def low_precision_vasso():
             ref_diags = run(ref_opt, ref_model, data, "explicit")
             refs[on_device] = ([w.detach().float() for w in ref_model.parameters()], ref_diags)
         for setting in ("DDP", "FSDP2", "ZeRO"):
-            ref, ref_diags = refs[setting == "DDP"]
+            ref, ref_diags = refs[setting != "ZeRO"]
             if setting == "DDP":
                 model = DDP(make_model().bfloat16())
                 opt = build(kind, model.parameters(), torch.optim.SGD)
@@ -695,9 +697,37 @@ def refusals():
     return out
 
 
+def one_rank_nonfinite():
+    """FSDP2, no scaler, a NaN in rank 0's part of h_t at step 2 only: {kind: (steps
+    skipped, the weights finite)}."""
+    _, init_device_mesh = _fsdp()
+    out = {}
+    for kind in ("SAM", "VASSO", "GSAM"):
+        model = shard(make_model(), init_device_mesh("cpu", (dist.get_world_size(),)), True)
+        opt = build(kind, model.parameters(), torch.optim.SGD)
+        for t, (x, y) in enumerate(my_slice(batches(dist.get_world_size()))):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if opt.perturb():
+                opt.zero_grad()
+                with opt.second_pass(model):
+                    F.cross_entropy(model(x), y).backward()
+                if t == 2 and dist.get_rank() == 0:
+                    grad = next(q.grad.to_local() for q in model.parameters() if q.grad.to_local().numel())
+                    grad.view(-1)[0] = float("nan")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                opt.descend()
+                opt._count_arrived(wait=True)
+        weights = torch.cat([w.reshape(-1) for w in full(model.parameters())])
+        out[kind] = (opt.nonfinite_steps, bool(torch.isfinite(weights).all()))
+    return out
+
+
 def two_rank_checks():
     """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
     wrong use."""
     return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
             "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change(),
-            "exchange fallbacks": exchange_fallbacks(), "late owner": late_owner()}
+            "exchange fallbacks": exchange_fallbacks(), "late owner": late_owner(),
+            "one rank non-finite": one_rank_nonfinite()}

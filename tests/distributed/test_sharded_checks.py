@@ -32,7 +32,9 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
     allow it), for every member and both APIs.  Under ZeRO the first two-pass step builds the exchange (a one-time
     set-up, and its second pass shares the owners' parameters); from the next one on,
     perturb()'s one all_gather carries the sums and the owners' ascent directions
-    (docs/design.md, "Distributed steps")."""
+    (docs/design.md, "Distributed steps").  FSDP2's steps are decided on the device (but
+    ASAM's geometry): their collectives block on gloo, not on NCCL, and the host reads
+    only the base's verdict, once."""
     settings = set()
     for rank in ranks:
         for (setting, kind, api), steps in rank["host_waits"].items():
@@ -51,16 +53,19 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
                 assert waits == expected, (setting, kind, api, waits, two_pass, events)
                 if setting != "DDP":  # the decisions' values are global: a collective before each read
                     assert events.count("collective") >= events.count("read") >= 1, events
+                if setting == "FSDP2" and not knobs.get("adaptive"):  # decided on the device: one read
+                    assert events.count("read") == 1, (kind, api, events)
     assert settings == {"DDP", "FSDP2", "ZeRO", "flat shards"}, settings  # torch >= 2.6 here: FSDP1 runs on CPUs
 
 
 def test_low_precision_vasso_takes_the_norm_of_d_t_as_rounded(ranks):
     """VASSO with bf16 parameters (d_t rounded to bf16 after its update).  DDP's replicas
     decide on the device, as one process does: one wait per step after its first (the
-    verdict: SGD cannot take torch's found_inf).  FSDP2 and ZeRO take the host path: d_t
-    is computed before the step's reduction and its norm rides along, so they wait twice per
-    two-pass step, as fp32 does (ZeRO: after its first two-pass step, which builds the
-    exchange).  Against one process in bf16 on the same path: ZeRO (every rank computing
+    verdict: SGD cannot take torch's found_inf).  FSDP2 decides on the device too, its sums
+    all-reduced (on gloo the host waits for them: twice per two-pass step).  ZeRO takes the
+    host path: d_t is computed before the step's reduction and its norm rides along, so it
+    waits twice per two-pass step, as fp32 does (after its first two-pass step, which
+    builds the exchange).  Against one process in bf16 on the same path: ZeRO (every rank computing
     the whole batch's gradient, as one process does) gives its weights bit for bit; DDP and
     FSDP2 (whose gradients are averaged over the ranks in bf16) to bf16 rounding, with the
     one-process sharpness (a norm over one rank's shard would be ~30% short)."""
@@ -214,3 +219,12 @@ def test_unknown_tensor_types_and_an_uninitialized_group_are_refused():
     assert not opt.in_flight
     with pytest.raises(ValueError, match="partition_group .*not initialized"):
         SAM(torch.nn.Linear(2, 1).parameters(), torch.optim.SGD, lr=0.1, partition_group=object())
+
+
+def test_a_non_finite_h_on_one_rank_skips_the_step_on_every_rank(ranks):
+    """FSDP2 decides on the device: h_t's verdict is each rank's own until one all_reduce
+    joins them, so a NaN in rank 0's part alone skips the step on both ranks (a rank that
+    stepped would move its shard alone)."""
+    for rank in ranks:
+        for kind, (skipped, finite) in rank["one rank non-finite"].items():
+            assert (skipped, finite) == (1, True), kind
