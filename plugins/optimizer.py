@@ -513,7 +513,8 @@ class SharpnessAware(torch.optim.Optimizer):
         slope buffer for every parameter already or for none (the first step: made here, and
         ``d_0 = g_0``, :attr:`StepInFlight.fresh`), and, on a two-pass step where the stability
         keeps one (eVASSO, ASAM), the previous ascent for all or none (zeros, as the host path's)."""
-        if not (self._decide_on_device and step.lists.on_device and self.partition_group is None):
+        if not (self._decide_on_device and step.lists.on_device and step.exchange is None
+                and (self.partition_group is None or self._model_gathers)):
             return False
         if self.adaptive and step.lists.layout.collective:
             return False  # ASAM over ranks: its three norms would cost three collectives where the host path's cost one

@@ -32,9 +32,9 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
     allow it), for every member and both APIs.  Under ZeRO the first two-pass step builds the exchange (a one-time
     set-up, and its second pass shares the owners' parameters); from the next one on,
     perturb()'s one all_gather carries the sums and the owners' ascent directions
-    (docs/design.md, "Distributed steps").  FSDP2's steps are decided on the device (but
-    ASAM's geometry): their collectives block on gloo, not on NCCL, and the host reads
-    only the base's verdict, once."""
+    (docs/design.md, "Distributed steps").  FSDP2's steps and the flat shards' are decided
+    on the device (but ASAM's geometry): their collectives block on gloo, not on NCCL, and
+    the host reads only the base's verdict, once."""
     settings = set()
     for rank in ranks:
         for (setting, kind, api), steps in rank["host_waits"].items():
@@ -53,7 +53,7 @@ def test_at_most_two_host_waits_per_step_on_every_path(ranks):
                 assert waits == expected, (setting, kind, api, waits, two_pass, events)
                 if setting != "DDP":  # the decisions' values are global: a collective before each read
                     assert events.count("collective") >= events.count("read") >= 1, events
-                if setting == "FSDP2" and not knobs.get("adaptive"):  # decided on the device: one read
+                if setting in ("FSDP2", "flat shards") and not knobs.get("adaptive"):  # on the device: one read
                     assert events.count("read") == 1, (kind, api, events)
     assert settings == {"DDP", "FSDP2", "ZeRO", "flat shards"}, settings  # torch >= 2.6 here: FSDP1 runs on CPUs
 
