@@ -413,6 +413,31 @@ def test_bf16_parameters_train_and_are_restored_exactly(device, kind):
     assert losses[-1] < 0.7 * losses[0]
 
 
+def _low_precision_run(kind, dtype, steps, *, on_device):
+    """``steps`` closure steps of ``kind`` over SGD on the model in ``dtype``, on the device
+    path or the host path, with g_t not finite in step 3's first pass: (model, optimizer,
+    host syncs per step, diagnostics per step)."""
+    model = make_model().to(dtype)
+    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+    opt._decide_on_device = on_device
+    syncs, diags = [], []
+    for t, (x, y) in enumerate(make_batches(steps)):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x.to(dtype)).float(), y)
+            loss.backward()
+            if t == 3 and opt.in_flight is False:  # the first pass's g_t of step 3
+                model[0].weight.grad[0, 0] = INF
+            return loss
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with CountSyncs() as counted:
+                opt.step(closure)
+        syncs.append(counted.count)
+        diags.append(dict(opt.diagnostics))
+    return model, opt, syncs, diags
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["VASSO", "eVASSO", "V+G", "adaptive eVASSO"])
 def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_after(monkeypatch, kind, dtype):
@@ -423,24 +448,7 @@ def test_low_precision_vassos_norm_from_the_first_reduction_is_the_norm_read_aft
     tensors takes), a non-finite g_t included."""
     skip_without_cpu_matmul(dtype)
     def run():
-        model = make_model().to(dtype)
-        opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
-        opt._decide_on_device = False  # the host path, on one process
-        syncs, diags = [], []
-        for t, (x, y) in enumerate(make_batches(8)):
-            def closure():
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x.to(dtype)).float(), y)
-                loss.backward()
-                if t == 3 and opt.in_flight is False:  # the first pass's g_t of step 3
-                    model[0].weight.grad[0, 0] = INF
-                return loss
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                with CountSyncs() as counted:
-                    opt.step(closure)
-            syncs.append(counted.count)
-            diags.append(dict(opt.diagnostics))
+        model, opt, syncs, diags = _low_precision_run(kind, dtype, 8, on_device=False)  # the host path
         slopes = [opt.state[q]["sam_slope"] for q in model.parameters()]
         return flat(model.parameters()), flat(slopes), diags, syncs, opt.nonfinite_steps
 
@@ -468,25 +476,9 @@ def test_low_precision_steps_on_the_device_follow_the_host_path(kind, dtype):
     skip_without_cpu_matmul(dtype)
 
     def run(on_device):
-        model = make_model().to(dtype)
-        opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
-        opt._decide_on_device = on_device
-        syncs, diags = [], []
-        for t, (x, y) in enumerate(make_batches(6)):
-            def closure():
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x.to(dtype)).float(), y)
-                loss.backward()
-                if t == 3 and opt.in_flight is False:
-                    model[0].weight.grad[0, 0] = INF
-                return loss
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                with CountSyncs() as counted:
-                    opt.step(closure)
-            syncs.append(counted.count)
-            diags.append({k: float(v) for k, v in opt.diagnostics.items()})
-        return flat(model.parameters()).double(), diags, syncs, opt.nonfinite_steps
+        model, opt, syncs, diags = _low_precision_run(kind, dtype, 6, on_device=on_device)
+        return flat(model.parameters()).double(), [{k: float(v) for k, v in d.items()} for d in diags], syncs, \
+            opt.nonfinite_steps
 
     device, host = run(True), run(False)
     torch.testing.assert_close(device[0], host[0], rtol=0.02, atol=0.02)
