@@ -155,8 +155,8 @@ class Layout:
         self.device = params[0].device if params else torch.device("cpu")
         self.counted: Optional[List[int]] = None
         self.groups: List[Any] = []
-        # DTensors sharded alike on every mesh dimension that shards any: each rank adds its
-        # whole local part, on every rank (no replicated dimension to count once)
+        # DTensors sharded alike on every mesh dimension that shards any (FSDP2, HSDP): each rank
+        # adds its whole local part, on every rank (a replicated dimension is not summed over)
         self.every_rank_counts = False
         DTensor, Shard, Replicate = dtensor_classes()
         kinds = []
@@ -212,7 +212,7 @@ class Layout:
                                  f"{tuple(q.placements)}: the optimizer needs them alike (Partial gradients must "
                                  "be reduced first)")
         union = sorted(set().union(*shard_dims))
-        self.every_rank_counts = bool(union) and all(dims == set(union) for dims in shard_dims) and len(union) == mesh.ndim
+        self.every_rank_counts = bool(union) and all(dims == set(union) for dims in shard_dims)
         coordinate = mesh.get_coordinate()
         if coordinate is None:
             raise ValueError("this rank is not in the parameters' device mesh")

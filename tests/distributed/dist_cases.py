@@ -143,6 +143,7 @@ def every_setting():
             opt = build(kind, model.parameters())
             diags = run(opt, model, mine, api)
             out[("HSDP 2-D", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
+            out.setdefault("HSDP on the device", {})[kind] = opt._lists.flat_slope is not None
 
         cls, knobs = VARIANTS[kind]
         model = DDP(make_model())

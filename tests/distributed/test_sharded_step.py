@@ -25,7 +25,7 @@ def results(request):
 
 
 def cases(rank):
-    return {k: v for k, v in rank.items() if k != "local sizes"}
+    return {k: v for k, v in rank.items() if isinstance(k, tuple)}
 
 
 def test_every_member_gives_the_one_process_step_in_every_setting(results):
@@ -66,3 +66,17 @@ def test_the_diagnostics_are_global(results):
                     assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), (key, t, k, got[k], want[k])
     # the loss gap really is a step's value there: a closure member has one
     assert any(not math.isnan(step["loss_gap"]) for _, d, _ in ranks[0].values() for step in d)
+
+
+def test_hsdp_steps_are_decided_on_the_device(results):
+    """HSDP shards every tensor on the same mesh dimension and replicates it on the other:
+    each rank counts its whole shard, the sums run over the shard dimension alone, and the
+    steps take the device path (its flat slope buffer), but ASAM's geometry over ranks."""
+    world, ranks = results
+    if world % 2:
+        pytest.skip("HSDP needs an even number of ranks")
+    from core_helpers import VARIANTS
+
+    for rank in ranks:
+        on_device = rank["HSDP on the device"]
+        assert on_device == {kind: not VARIANTS[kind][1].get("adaptive") for kind in on_device}, on_device
