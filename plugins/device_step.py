@@ -43,6 +43,8 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
     ``eps_t`` here.  What the restore needs of ``x_t`` (``step.anchors``) is kept already."""
     lists = step.lists
     layout = lists.layout
+    if adaptive and layout.collective:  # (SharpnessAware._decides_on_device keeps it on the host path)
+        raise RuntimeError("adaptive geometry over ranks is not decided on the device: its norms are this rank's")
     v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
     if theta is None and not step.two_pass:         # SAM's slope keeps the last ascent's g: only check g_t
         return _total_norm(step.grads, layout) < math.inf, None, None, None
@@ -55,11 +57,11 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
 
         def norm() -> torch.Tensor:                     # ||v_t||: finite iff g_t is (v_{t-1} is)
             if layout.collective:  # the ranks' parts: ||v_t|| and the stability's inner product in one all_reduce
-                out["norm"] = slope_norm = _global_terms(v.flat, out, layout, [
-                    previous if step.two_pass and scalar_stability else None,
-                    lists.flat_previous_ascent.flat if step.two_pass and buffered_stability and not adaptive else None])
+                stability_with = (previous if scalar_stability else lists.flat_previous_ascent.flat
+                                  if buffered_stability else None) if step.two_pass else None
+                slope_norm, out["inner"] = _global_norm_and_dot(v.flat, stability_with, layout)
             else:
-                out["norm"] = slope_norm = long_norm(v.flat)
+                slope_norm = long_norm(v.flat)
             out["finite"] = finite = slope_norm < math.inf
             torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
             return slope_norm
@@ -70,7 +72,7 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
                 out["inner"] = long_dot(v.flat, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
             if adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite
                 scaled_norm, unit = _adaptive_direction(eta, lists, v, previous, pieces, finite)
-                out["ascent"] = (scaled_norm, _norm(previous, layout) * step.rho)  # (||T v_t||, ||eps_t||)
+                out["ascent"] = (scaled_norm, long_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
             else:  # v_t / ||v_t|| in one kernel over the flat buffer, 0 if not finite; rho rides along below
                 unit = P.ascent_scale(1.0, slope_norm)
                 torch.mul(v.flat, unit, out=previous)
@@ -79,7 +81,7 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
                 kept = lists.flat_previous_ascent
                 # the stability's inner product: ASAM's <eps_t / rho, eps_last>, else <v_t, eps_last>
                 if out["inner"] is None:
-                    out["inner"] = _dot(previous if adaptive else v.flat, kept.flat, layout)
+                    out["inner"] = long_dot(previous if adaptive else v.flat, kept.flat)
                 # eps_t = rho * that product is the next previous ascent, where g_t was finite
                 torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
             return unit
@@ -92,33 +94,13 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
     return out["finite"], slope_norm, out["inner"], out["ascent"]
 
 
-def _global_terms(x: torch.Tensor, out: dict, layout, others) -> torch.Tensor:
-    """``||x||`` over every rank's part, and ``<x, y>`` for each ``y`` of ``others`` given (into
-    ``out["inner"]``, the last one given): this rank's norm squared and inner products, summed
-    in float64 by one ``all_reduce`` on the device."""
+def _global_norm_and_dot(x: torch.Tensor, y: Optional[torch.Tensor], layout):
+    """``||x||`` and ``<x, y>`` (None without ``y``) over every rank's part: this rank's norm
+    squared and inner product, summed in float64 by one ``all_reduce`` on the device."""
     local = long_norm(x)
-    others = [y for y in others if y is not None]
-    terms = layout.all_reduce(torch.stack([local.double().square()] + [long_dot(x, y).double() for y in others]))
-    if others:
-        out["inner"] = terms[-1].to(local.dtype)
-    return terms[0].sqrt().to(local.dtype)
-
-
-def _norm(x: torch.Tensor, layout) -> torch.Tensor:
-    """``||x||`` over every rank's part: this rank's norm, and where the parts are spread over
-    ranks (FSDP2) their squares summed in float64 by one ``all_reduce`` on the device."""
-    local = long_norm(x)
-    if not layout.collective:
-        return local
-    return layout.all_reduce(local.double().square()).sqrt().to(local.dtype)
-
-
-def _dot(x: torch.Tensor, y: torch.Tensor, layout) -> torch.Tensor:
-    """``<x, y>`` over every rank's part, as :func:`_norm`."""
-    local = long_dot(x, y)
-    if not layout.collective:
-        return local
-    return layout.all_reduce(local.double()).to(local.dtype)
+    terms = [local.double().square()] + ([long_dot(x, y).double()] if y is not None else [])
+    summed = layout.all_reduce(torch.stack(terms))
+    return summed[0].sqrt().to(local.dtype), summed[1].to(local.dtype) if y is not None else None
 
 
 def _total_norm(tensors: Sequence[torch.Tensor], layout) -> torch.Tensor:
@@ -144,7 +126,7 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: to
         torch._foreach_zero_(plain)
         torch._foreach_add_(plain, 1.0)
     scaled = torch.mul(v.flat, into)                    # T v_t (a model-sized temporary, freed on return)
-    scaled_norm = _norm(scaled, lists.layout)
+    scaled_norm = long_norm(scaled)
     unit = torch.where(finite, P.ascent_scale(1.0, scaled_norm), 0.0)  # a non-finite g_t moves nothing
     into.mul_(scaled).mul_(unit)                        # T (T v_t) / ||T v_t||
     return scaled_norm, unit

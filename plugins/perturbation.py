@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 
 import torch
 
-from .reductions import Sums, global_norm
+from .reductions import LOW_PRECISION, Sums, global_norm
 
 Tensors = Sequence[torch.Tensor]
 
@@ -287,7 +287,7 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
         # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway.
         # fp16/bf16 take it in float32: rounded to theirs, a factor near 1 would be 1
         dtype = second_grads[0].dtype
-        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        dtype = torch.float32 if dtype in LOW_PRECISION else dtype
         factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq)).to(dtype)
         torch._foreach_mul_(list(second_grads), factor)
         torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), (moved * -alpha).to(dtype)))

@@ -187,13 +187,13 @@ class Sums:
 
 def _flat(tensors: Tensors, chunk: List[int]) -> torch.Tensor:
     t = torch.cat([tensors[i].reshape(-1) for i in chunk])
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return t.float() if t.dtype in LOW_PRECISION else t
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened, in float32 if it is fp16/bf16."""
     t = t.reshape(-1)
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return t.float() if t.dtype in LOW_PRECISION else t
 
 
 def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layout) -> torch.Tensor:

@@ -6,7 +6,7 @@
   decoupled weight decay), with the paper's test BLEU;
 * where the fairseq console scripts and the ``fairseq_vasso`` user-dir are;
 * ``toy_train_args``: the tiny transformer on the toy corpus (self-test, tests);
-  ``child_argv``: the command line of the children that run fairseq-train in-process (bench, self-test);
+  ``child_argv``: the command line of the children that run fairseq-train in-process (the benchmark, the self-test);
 * ``run_logged``: run a fairseq command with its output in a log file (in a process group
   of its own, which ``interruptible()`` ends on Ctrl-C or SIGTERM).
 """
@@ -14,8 +14,8 @@
 import collections
 import contextlib
 import os
-import shutil
 import shlex
+import shutil
 import signal
 import subprocess
 import sys

@@ -85,7 +85,10 @@ def train_finished(log_path):
 
 
 def judge_train(rc, log_path):
-    """(ok, note) for a finished fairseq-train process, judged by its log."""
+    """(ok, note) for a finished fairseq-train process, judged by its log: stock fairseq-train
+    may abort at exit (rc 134, "terminate called without an active exception";
+    docs/fairseq.md, "Troubleshooting") after it logged "done training" and saved its
+    checkpoints; such a run is a success."""
     if rc == 0:
         return True, "ok"
     if train_finished(log_path):
