@@ -43,8 +43,6 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
     ``eps_t`` here.  What the restore needs of ``x_t`` (``step.anchors``) is kept already."""
     lists = step.lists
     layout = lists.layout
-    if adaptive and layout.collective:  # (SharpnessAware._decides_on_device keeps it on the host path)
-        raise RuntimeError("adaptive geometry over ranks is not decided on the device: its norms are this rank's")
     v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
     if theta is None and not step.two_pass:         # SAM's slope keeps the last ascent's g: only check g_t
         return _total_norm(step.grads, layout) < math.inf, None, None, None
@@ -57,9 +55,10 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
 
         def norm() -> torch.Tensor:                     # ||v_t||: finite iff g_t is (v_{t-1} is)
             if layout.collective:  # the ranks' parts: ||v_t|| and the stability's inner product in one all_reduce
+                # (ASAM's inner product is with eps_t, known only after the ascent: see ascend())
                 stability_with = (previous if scalar_stability else lists.flat_previous_ascent.flat
-                                  if buffered_stability else None) if step.two_pass else None
-                slope_norm, out["inner"] = _global_norm_and_dot(v.flat, stability_with, layout)
+                                  if buffered_stability and not adaptive else None) if step.two_pass else None
+                slope_norm, out["inner"] = _global_sums([v.flat], v.flat, stability_with, layout)
             else:
                 slope_norm = long_norm(v.flat)
             out["finite"] = finite = slope_norm < math.inf
@@ -70,9 +69,11 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
             finite = out["finite"]
             if scalar_stability and out["inner"] is None:
                 out["inner"] = long_dot(v.flat, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
-            if adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite
-                scaled_norm, unit = _adaptive_direction(eta, lists, v, previous, pieces, finite)
-                out["ascent"] = (scaled_norm, long_norm(previous) * step.rho)  # (||T v_t||, ||eps_t||)
+            if adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite; with ||eps_t|| and ASAM's stability inner product
+                kept = lists.flat_previous_ascent.flat if buffered_stability else None
+                scaled_norm, unit, unit_norm, out["inner"] = _adaptive_direction(eta, lists, v, previous, pieces,
+                                                                                 finite, kept)
+                out["ascent"] = (scaled_norm, unit_norm * step.rho)  # (||T v_t||, ||eps_t||)
             else:  # v_t / ||v_t|| in one kernel over the flat buffer, 0 if not finite; rho rides along below
                 unit = P.ascent_scale(1.0, slope_norm)
                 torch.mul(v.flat, unit, out=previous)
@@ -94,15 +95,6 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
     return out["finite"], slope_norm, out["inner"], out["ascent"]
 
 
-def _global_norm_and_dot(x: torch.Tensor, y: Optional[torch.Tensor], layout):
-    """``||x||`` and ``<x, y>`` (None without ``y``) over every rank's part: this rank's norm
-    squared and inner product, summed in float64 by one ``all_reduce`` on the device."""
-    local = long_norm(x)
-    terms = [local.double().square()] + ([long_dot(x, y).double()] if y is not None else [])
-    summed = layout.all_reduce(torch.stack(terms))
-    return summed[0].sqrt().to(local.dtype), summed[1].to(local.dtype) if y is not None else None
-
-
 def _total_norm(tensors: Sequence[torch.Tensor], layout) -> torch.Tensor:
     """The 2-norm of a list of tensors over every rank's parts (0-dim, on the device)."""
     if not layout.collective:
@@ -113,12 +105,16 @@ def _total_norm(tensors: Sequence[torch.Tensor], layout) -> torch.Tensor:
     return layout.all_reduce(squares).sqrt().float()
 
 
-def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: torch.Tensor, pieces, finite):
+def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: torch.Tensor, pieces, finite,
+                        kept: Optional[torch.Tensor]):
     """ASAM's ascent direction over the flat buffers (eq. (5b) in its geometry, ``eps_t = rho
     T^2 v_t / ||T v_t||``, ``T = |x_t| + eta`` on the weights and 1 elsewhere, as
     :func:`plugins.perturbation.ascent_direction` has it): ``into`` (of ``v``'s size, its
     ``pieces`` in the parameters' storage order) becomes ``T^2 v_t / ||T v_t||``, all zeros
-    where ``g_t`` was not finite.  Returns ``||T v_t||`` and ``1 / ||T v_t||`` (0 then)."""
+    where ``g_t`` was not finite.  Returns ``||T v_t||``, ``1 / ||T v_t||`` (0 then),
+    ``||eps_t|| / rho`` and ``<eps_t / rho, kept>`` (None without ``kept``, the previous
+    ascent): each from the unnormalised ``T^2 v_t``, so that over ranks one ``all_reduce``
+    carries all three sums."""
     torch._foreach_copy_(pieces, lists.storage_params)  # x_t, flat
     P.adaptive_scale(into, eta, out=into)           # T, and 1 where the geometry is plain (biases, norms):
     plain = [piece for piece, weight in zip(pieces, lists.mask) if not weight]
@@ -126,10 +122,25 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: to
         torch._foreach_zero_(plain)
         torch._foreach_add_(plain, 1.0)
     scaled = torch.mul(v.flat, into)                    # T v_t (a model-sized temporary, freed on return)
-    scaled_norm = long_norm(scaled)
+    into.mul_(scaled)                                   # T (T v_t)
+    scaled_norm, direction_norm, inner = _global_sums([scaled, into], into, kept, lists.layout)
     unit = torch.where(finite, P.ascent_scale(1.0, scaled_norm), 0.0)  # a non-finite g_t moves nothing
-    into.mul_(scaled).mul_(unit)                        # T (T v_t) / ||T v_t||
-    return scaled_norm, unit
+    into.mul_(unit)                                     # T^2 v_t / ||T v_t||
+    return scaled_norm, unit, direction_norm * unit, None if inner is None else inner * unit
+
+
+def _global_sums(norms_of: Sequence[torch.Tensor], x: torch.Tensor, y: Optional[torch.Tensor], layout):
+    """The norms of ``norms_of`` and ``<x, y>`` (None without ``y``), over every rank's part
+    where the layout is collective: this rank's squares and inner product, summed in float64
+    by one ``all_reduce`` on the device."""
+    norms = [long_norm(t) for t in norms_of]
+    dot = long_dot(x, y) if y is not None else None
+    if not layout.collective:
+        return (*norms, dot)
+    terms = [n.double().square() for n in norms] + ([dot.double()] if dot is not None else [])
+    summed = layout.all_reduce(torch.stack(terms))
+    dtype = norms[0].dtype
+    return (*(summed[i].sqrt().to(dtype) for i in range(len(norms))), summed[-1].to(dtype) if dot is not None else None)
 
 
 def diagnose(step: StepInFlight, slope_norm: torch.Tensor, inner, ascent, last: Optional[torch.Tensor], *,

@@ -516,8 +516,6 @@ class SharpnessAware(torch.optim.Optimizer):
         if not (self._decide_on_device and step.lists.on_device and step.exchange is None
                 and (self.partition_group is None or self._model_gathers)):
             return False
-        if self.adaptive and step.lists.layout.collective:
-            return False  # ASAM over ranks: its three norms would cost three collectives where the host path's cost one
         dtype = step.lists.params[0].dtype
         if any(g.dtype is not dtype for g in step.grads):
             return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
