@@ -516,9 +516,6 @@ class SharpnessAware(torch.optim.Optimizer):
         if not (self._decide_on_device and step.lists.on_device and step.exchange is None
                 and (self.partition_group is None or self._model_gathers)):
             return False
-        dtype = step.lists.params[0].dtype
-        if any(g.dtype is not dtype for g in step.grads):
-            return False  # gradients of another dtype (fairscale FSDP's fp16 on fp32 shards): the host path casts
         own, lists = self._own_state, step.lists
         fresh = lists.flat_slope is None and not any("slope" in own.get(q, ()) for q in lists.params)
         if fresh and self.theta is None and not step.two_pass:

@@ -38,7 +38,9 @@ def moving_average(averages: Tensors, grads: Tensors, theta: float, *, in_place:
     weight = theta  # of the new gradient g_t
     if in_place:
         if len(averages):
-            torch._foreach_lerp_(list(averages), list(grads), weight)
+            # gradients of another dtype (fp16 on fp32 shards): lerp takes one dtype
+            ends = [g if g.dtype == d.dtype else g.to(d.dtype) for d, g in zip(averages, grads)]
+            torch._foreach_lerp_(list(averages), ends, weight)
         return list(averages)
     # tensor by tensor, as the norm of d_t has always been taken (a fused kernel might round otherwise)
     return [torch.lerp(d, g.to(d.dtype), weight) for d, g in zip(averages, grads)]
