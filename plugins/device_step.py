@@ -52,6 +52,8 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
     out = {"inner": None, "ascent": None}
     with v.scratch() as (previous, pieces):             # v_{t-1}, for a non-finite g_t (freed on leaving)
         previous.copy_(v.flat)
+        if step.new_slopes and theta is not None:       # d_0 = g_0 (lerp of g_0 towards itself: exactly g_0)
+            torch._foreach_copy_([v.views[i] for i in step.new_slopes], [grads[i] for i in step.new_slopes])
 
         def norm() -> torch.Tensor:                     # ||v_t||: finite iff g_t is (v_{t-1} is)
             if layout.collective:  # the ranks' parts: ||v_t|| and the stability's inner product in one all_reduce

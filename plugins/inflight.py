@@ -65,6 +65,7 @@ class StepInFlight:
     finite: Optional[torch.Tensor] = None             # decided on the device: g_t is finite (0-dim bool)
     found_inf: Optional[torch.Tensor] = None          # decided on the device: the base's verdict (0-dim float)
     fresh: bool = False                               # decided on the device, with slope buffers made now (d_0 = g_0)
+    new_slopes: Tuple[int, ...] = ()                  # which: the indices of the step's parameters
 
 
 class StepLists:

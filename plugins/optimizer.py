@@ -509,26 +509,24 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _decides_on_device(self, step: StepInFlight) -> bool:
         """Whether this step keeps its decisions on the device (:mod:`plugins.device_step`): one
-        process or replicas, one device and dtype (fp16/bf16 reduced in float32), a GradScaler or none, and a
-        slope buffer for every parameter already or for none (the first step: made here, and
-        ``d_0 = g_0``, :attr:`StepInFlight.fresh`), and, on a two-pass step where the stability
-        keeps one (eVASSO, ASAM), the previous ascent for all or none (zeros, as the host path's)."""
+        process or replicas, one device and dtype (fp16/bf16 reduced in float32), a GradScaler or none.  A
+        parameter without a slope buffer yet (the first step, a layer that joins later) gets one
+        here, ``d_0 = g_0`` (:attr:`StepInFlight.fresh`), and zeros for the previous ascent where the
+        stability keeps one (eVASSO, ASAM), as the host path's."""
         if not (self._decide_on_device and step.lists.on_device and step.exchange is None
                 and (self.partition_group is None or self._model_gathers)):
             return False
         own, lists = self._own_state, step.lists
-        fresh = lists.flat_slope is None and not any("slope" in own.get(q, ()) for q in lists.params)
-        if fresh and self.theta is None and not step.two_pass:
+        new = () if lists.flat_slope is not None else tuple(
+            i for i, q in enumerate(lists.params) if "slope" not in own.get(q, ()))
+        if len(new) == len(lists.params) and self.theta is None and not step.two_pass:
             return True  # SAM keeps no slope before its first ascent: the rule only checks g_t's finiteness
-        if self._buffered_stability() and step.two_pass and (
-                S.flat_buffer(self, lists, "previous_ascent", new=True) is None):
-            return False
+        if self._buffered_stability() and step.two_pass:
+            S.flat_buffer(self, lists, "previous_ascent", new=True)
         flat = S.flat_buffer(self, lists, "slope", new=True)
-        if flat is None:
-            return False
         # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
         # held here, those would stay alive through the second pass (one model's size at the peak)
-        step.previous_slopes, step.fresh = flat.views, fresh
+        step.previous_slopes, step.fresh, step.new_slopes = flat.views, bool(new), new
         return True
 
     def _perturb_on_device(self, step: StepInFlight) -> bool:
@@ -537,9 +535,8 @@ class SharpnessAware(torch.optim.Optimizer):
         then, and :meth:`_descend_on_device` skips the base step on the device)."""
         if step.two_pass:
             self._keep_for_descent(step, step.lists.flat_slope.views)  # x_t for an exact restore, g_t for GSAM
-        theta = 1.0 if step.fresh and self.theta is not None else self.theta  # d_0 = g_0 from zeros, exactly
         finite, slope_norm, inner, ascent = device_step.rule(
-            step, theta, adaptive=self.adaptive, eta=self.eta, scalar_stability=self._scalar_stability(),
+            step, self.theta, adaptive=self.adaptive, eta=self.eta, scalar_stability=self._scalar_stability(),
             buffered_stability=self._buffered_stability())
         step.finite = finite
         zero, one = step.lists.constants()[:2]
@@ -781,7 +778,7 @@ class SharpnessAware(torch.optim.Optimizer):
         step = self._pending
         self.restore()
         if step is not None and step.fresh and not bool(step.finite):  # (one host read, on a first step only)
-            self._forget_slopes(step.lists)
+            self._forget_slopes(step)
         self._pending = None
         self.in_second_pass = False
 
@@ -869,7 +866,7 @@ class SharpnessAware(torch.optim.Optimizer):
                                   stepped_before=step.lists.base_stepped and not step.fresh)
         step.lists.base_stepped = step.lists.base_stepped or read == 0
         if step.fresh and read == 2:  # a non-finite g_0 leaves no slope: d_0 = g_0 at the next step
-            self._forget_slopes(step.lists)
+            self._forget_slopes(step)
         P.moved_parameters()
         if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
             self._verdicts.send(self._step - 1, code, step.scaled)
@@ -880,11 +877,13 @@ class SharpnessAware(torch.optim.Optimizer):
             step.diagnostics["nonfinite"] = 0.0  # read already: reading it costs nothing more
         return read == 0
 
-    def _forget_slopes(self, lists: StepLists) -> None:
-        """Drop the slope buffers a first step made on the device from a non-finite ``g_0``
-        (zeros: the host path writes none)."""
-        for q in lists.params:
-            self._own_state[q].pop("slope", None)
+    def _forget_slopes(self, step: StepInFlight) -> None:
+        """Drop the slope buffers a step made on the device from a non-finite ``g_0`` (zeros:
+        the host path writes none), so that the next step starts them at ``d_0 = g_0``; the
+        kept ones move to the next flat buffer."""
+        lists = step.lists
+        for i in step.new_slopes:
+            self._own_state[lists.params[i]].pop("slope", None)
         lists.buffers.pop("slope", None)
         lists.flat_slope = None
 

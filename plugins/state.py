@@ -399,21 +399,22 @@ def flat_buffer(opt, lists, key: str, *, new: bool = False) -> Optional["ondevic
     """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
     selection or an inner product over all of them is one kernel: made once per set of
     parameters, for the steps decided on the device (:mod:`plugins.device_step`), from the
-    buffers earlier steps wrote, or, with ``new`` where no parameter has one yet, zeros
-    (None while some parameters have one and others none)."""
+    buffers earlier steps wrote; with ``new``, zeros where a parameter has none yet (else
+    None while some parameter has none)."""
     attribute = _FLAT_ATTRIBUTES[key]
     if getattr(lists, attribute) is None:
         own = opt._own_state
         kept = [own[q].get(key) if q in own else None for q in lists.params]
         missing = sum(v is None for v in kept)
-        if missing and not (new and missing == len(kept)):
+        if missing and not new:
             return None
         locals_ = lists.local_params()
         flat = ondevice.Flat(locals_)
         if missing:
             flat.flat.zero_()
-        else:
-            torch._foreach_copy_(flat.views, [D.local(v) for v in kept])
+        pairs = [(view, D.local(v)) for view, v in zip(flat.views, kept) if v is not None]
+        if pairs:
+            torch._foreach_copy_([view for view, _ in pairs], [v for _, v in pairs])
         for q, v in zip(lists.params, flat.views):
             own[q][key] = D.like(q, v)  # a DTensor parameter's state is a DTensor sharded as it is
         # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps

@@ -403,9 +403,12 @@ def test_a_nonfinite_second_gradient_is_skipped_on_the_device(fused):
     assert opt.nonfinite_steps == 1 and not torch.equal(flat(model.parameters()), before)
 
 
-def test_a_parameter_that_joins_later_takes_the_host_path_once():
-    """A set of parameters with a gradient that grows (a frozen layer unfrozen) gets d_0 = g_0
-    for the newcomer on the host path, then the device path again over all of them."""
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nonfinite"])
+def test_a_parameter_that_joins_later_is_decided_on_the_device(nonfinite):
+    """A set of parameters with a gradient that grows (a frozen layer unfrozen) is decided on
+    the device at once: the newcomer gets d_0 = g_0 while the others' slopes average on.  A
+    non-finite gradient at the join skips the step and leaves the newcomer no slope (one host
+    read, as a first step's), so that the next step starts it at d_0 = g_0."""
     model = make_model()
     first = list(model.parameters())[0]
     first.requires_grad_(False)
@@ -414,20 +417,38 @@ def test_a_parameter_that_joins_later_takes_the_host_path_once():
     for x, y in batches[:2]:
         opt.step(closure_for(opt, model, x, y))
     assert opt._lists.flat_slope is not None and all(q is not first for q in opt._lists.params)
+    kept = {q: opt.state[q]["sam_slope"].clone() for q in opt._lists.params}
     first.requires_grad_(True)
     x, y = batches[2]
     rng = rng_state()
     opt.zero_grad()
     first_backward(model, x, y)
+    if nonfinite:
+        first.grad[0, 0] = math.inf
     g0 = first.grad.clone()
-    assert opt.perturb()  # the newcomer has no slope yet: the host path
-    assert opt._lists.flat_slope is None
+    grads = {q: q.grad.clone() for q in kept}
+    assert opt.perturb()  # decided on the device: the coin's answer, whatever g_t holds
+    assert opt._lists.flat_slope is not None and any(q is first for q in opt._lists.params)
     opt.zero_grad()
     with opt.second_pass(model, rng):
         first_backward(model, x, y)
-    assert opt.descend()
+    assert opt.descend() is (not nonfinite)
+    if nonfinite:
+        assert opt.state[first]["sam_held"]["slope"] == 0  # (its sam_slope reads as a zero placeholder)
+        assert all(torch.equal(opt.state[q]["sam_slope"], d) for q, d in kept.items())  # d_{t-1} kept
+        x, y = batches[3]
+        opt.zero_grad()
+        first_backward(model, x, y)
+        g0 = first.grad.clone()
+        grads = {q: q.grad.clone() for q in kept}
+        assert opt.perturb()
+        opt.zero_grad()
+        with opt.second_pass(model):
+            first_backward(model, x, y)
+        assert opt.descend()
     assert torch.equal(opt.state[first]["sam_slope"], g0)  # d_0 = g_0
-    opt.step(closure_for(opt, model, *batches[3]))
+    for q, d in kept.items():
+        assert torch.equal(opt.state[q]["sam_slope"], torch.lerp(d, grads[q], opt.theta))  # eq. (5a) on
     assert opt._lists.flat_slope is not None and any(q is first for q in opt._lists.params)
 
 
