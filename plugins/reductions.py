@@ -217,7 +217,7 @@ def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layou
     def pieces(xs):  # the large tensors, then the flat chunks
         return [_wide(xs[i]) for i in alone] + [flat(xs, k) for k in range(len(chunks))]
 
-    device = _wide(first[0]).device  # a model split over devices: its partial sums meet on the first one
+    device = first[0].device  # a model split over devices: its partial sums meet on the first one
 
     def total(parts):
         return torch.stack([q.double().to(device) for q in parts])
@@ -233,7 +233,7 @@ def _partial_sums(terms: Sequence[tuple], plan: Optional[List[List[int]]], layou
             if big and all(t.dtype in (torch.float32, torch.float64) and t.numel() <= LONG_CHUNK for t in big):
                 parts = list(torch._foreach_norm(big))
             else:
-                parts = [long_norm(_wide(t)) for t in big]
+                parts = [long_norm(t.reshape(-1)) for t in big]  # (fp16/bf16 widened inside the kernel, no copy)
             parts += [torch.linalg.vector_norm(flat(xs, k)) for k in range(len(chunks))]
         else:
             xs, ys = args

@@ -77,6 +77,21 @@ def test_low_precision_norms_and_dots_are_taken_in_float32_in_pieces(dtype, monk
     assert len(rec.calls) == 6 and all(a[0].numel() <= 10 and a[0].dtype == torch.float32 for _, a in rec.calls)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_host_paths_norm_of_large_low_precision_tensors_makes_no_float32_copy(dtype):
+    """The host path's sums (reductions.Sums, what ZeRO/OSS steps take) widen a large fp16/bf16
+    tensor inside the norm's kernel: a float32 copy of it would double its memory for the
+    reduction (a 33M-element embedding: 132 MB more), for the same bits."""
+    g = torch.Generator().manual_seed(0)
+    big = [(torch.randn(reductions.FLAT_BELOW + 5, generator=g) * 300).to(dtype) for _ in range(2)]
+    with Dispatched("_to_copy") as rec:
+        norm = reductions.global_norm(big)
+    widened = [a[0].numel() for _, a in rec.calls if a[0].numel() > 1]
+    assert widened == [], widened
+    exact = math.sqrt(sum(t.double().square().sum().item() for t in big))
+    assert norm.item() == pytest.approx(exact, rel=1e-5)  # (float32 sums of 32,773 squares)
+
+
 @pytest.mark.parametrize("kind", ["SAM", "VASSO", "eVASSO", "ASAM"])
 def test_the_device_step_reduces_its_flat_buffers_in_pieces(kind, monkeypatch):
     """Every dot and norm of a step over the flat buffers stays under the chunk, and the step
