@@ -53,7 +53,8 @@ def moving_average_inner(theta: float, previous_norm, grad_dot_previous):
 
 def rule_(slopes: Tensors, grads: Tensors, theta: Optional[float], norm: Callable[[], Any],
           ascend: Optional[Callable[[Any], Any]] = None) -> Tuple[Any, Any]:
-    r"""The paper's rule (``../shared/paper/vasso.tex``, Alg. 1; Alg. 2 for ``p < 1``)::
+    r"""The paper's rule (Li and Giannakis, "Enhancing Sharpness-Aware Optimization Through Variance
+    Suppression", NeurIPS 2023, the README's citation: Alg. 1; Alg. 2 for ``p < 1``)::
 
         d_t   = (1 - theta) d_{t-1} + theta g_t     eq. (5a)  (SAM, eq. (3): v_t = g_t)
         eps_t = rho d_t / ||d_t||                   eq. (5b)  (:func:`ascent_scale`; ASAM: rho T^2 v_t / ||T v_t||)
