@@ -522,8 +522,8 @@ class SharpnessAware(torch.optim.Optimizer):
         if len(new) == len(lists.params) and self.theta is None and not step.two_pass:
             return True  # SAM keeps no slope before its first ascent: the rule only checks g_t's finiteness
         if self._buffered_stability() and step.two_pass:
-            S.flat_buffer(self, lists, "previous_ascent", new=True)
-        flat = S.flat_buffer(self, lists, "slope", new=True)
+            S.flat_buffer(self, lists, "previous_ascent")
+        flat = S.flat_buffer(self, lists, "slope")
         # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
         # held here, those would stay alive through the second pass (one model's size at the peak)
         step.previous_slopes, step.fresh, step.new_slopes = flat.views, bool(new), new

@@ -395,22 +395,18 @@ def last_ascent(values, adaptive: bool) -> Optional[torch.Tensor]:
 _FLAT_ATTRIBUTES = {"slope": "flat_slope", "previous_ascent": "flat_previous_ascent"}
 
 
-def flat_buffer(opt, lists, key: str, *, new: bool = False) -> Optional["ondevice.Flat"]:
+def flat_buffer(opt, lists, key: str) -> "ondevice.Flat":
     """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
     selection or an inner product over all of them is one kernel: made once per set of
     parameters, for the steps decided on the device (:mod:`plugins.device_step`), from the
-    buffers earlier steps wrote; with ``new``, zeros where a parameter has none yet (else
-    None while some parameter has none)."""
+    buffers earlier steps wrote, and zeros where a parameter has none yet."""
     attribute = _FLAT_ATTRIBUTES[key]
     if getattr(lists, attribute) is None:
         own = opt._own_state
         kept = [own[q].get(key) if q in own else None for q in lists.params]
-        missing = sum(v is None for v in kept)
-        if missing and not new:
-            return None
         locals_ = lists.local_params()
         flat = ondevice.Flat(locals_)
-        if missing:
+        if any(v is None for v in kept):
             flat.flat.zero_()
         pairs = [(view, D.local(v)) for view, v in zip(flat.views, kept) if v is not None]
         if pairs:
