@@ -82,8 +82,15 @@ def _two_ranks_and_one(fs, data, tmp_path, extra=(), env=()):
                                          env=cpu_only.env({**os.environ, **env_r}),  # --cpu ranks
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
-        # meanwhile, the single-rank reference in this process
-        single_run = fs.train(_common(fs, data, tmp_path / "single") + ["--update-freq", "2", *extra])
+        # meanwhile, the single-rank reference in this process, on one thread as the ranks run
+        # (a sum's rounding depends on how many threads split it; pytest may run without
+        # OMP_NUM_THREADS=1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            single_run = fs.train(_common(fs, data, tmp_path / "single") + ["--update-freq", "2", *extra])
+        finally:
+            torch.set_num_threads(threads)
         outs = []
         for p in procs:
             out, _ = p.communicate(timeout=240)
