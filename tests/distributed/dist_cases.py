@@ -699,16 +699,19 @@ def refusals():
 
 
 def one_rank_nonfinite():
-    """FSDP2, no scaler, a NaN in rank 0's part of h_t at step 2 only: {kind: (steps
-    skipped, the weights finite)}."""
+    """FSDP2, no scaler, a NaN in rank 0's part of g_t at step 1 and of h_t at step 2 only:
+    {kind: (steps skipped, the weights finite)}."""
     _, init_device_mesh = _fsdp()
     out = {}
-    for kind in ("SAM", "VASSO", "GSAM"):
+    for kind in ("SAM", "VASSO", "GSAM", "ASAM", "adaptive eVASSO"):
         model = shard(make_model(), init_device_mesh("cpu", (dist.get_world_size(),)), True)
         opt = build(kind, model.parameters(), torch.optim.SGD)
         for t, (x, y) in enumerate(my_slice(batches(dist.get_world_size()))):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
+            if t == 1 and dist.get_rank() == 0:
+                grad = next(q.grad.to_local() for q in model.parameters() if q.grad.to_local().numel())
+                grad.view(-1)[0] = float("nan")
             if opt.perturb():
                 opt.zero_grad()
                 with opt.second_pass(model):

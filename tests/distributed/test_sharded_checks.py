@@ -231,10 +231,14 @@ def test_unknown_tensor_types_and_an_uninitialized_group_are_refused():
         SAM(torch.nn.Linear(2, 1).parameters(), torch.optim.SGD, lr=0.1, partition_group=object())
 
 
-def test_a_non_finite_h_on_one_rank_skips_the_step_on_every_rank(ranks):
-    """FSDP2 decides on the device: h_t's verdict is each rank's own until one all_reduce
-    joins them, so a NaN in rank 0's part alone skips the step on both ranks (a rank that
-    stepped would move its shard alone)."""
+def test_a_non_finite_g_or_h_on_one_rank_skips_the_step_on_every_rank(ranks):
+    """FSDP2 decides on the device: g_t's finiteness comes from the all-reduced norm, and
+    h_t's verdict is each rank's own until one all_reduce joins them, so a NaN in rank 0's
+    part alone skips the step on both ranks (a rank that stepped would move its shard
+    alone), ASAM's geometry included."""
     for rank in ranks:
-        for kind, (skipped, finite) in rank["one rank non-finite"].items():
-            assert (skipped, finite) == (1, True), kind
+        kinds = rank["one rank non-finite"]
+        assert {"ASAM", "adaptive eVASSO"} <= set(kinds)
+        for kind, (skipped, finite) in kinds.items():
+            h_t = second_pass_coin(VARIANTS[kind][1].get("p", 1.0), 0, 2)  # (eVASSO's coin may skip step 2's pass)
+            assert (skipped, finite) == (1 + h_t, True), kind
