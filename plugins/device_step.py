@@ -57,9 +57,11 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
 
         def norm() -> torch.Tensor:                     # ||v_t||: finite iff g_t is (v_{t-1} is)
             if layout.collective:  # the ranks' parts: ||v_t|| and the stability's inner product in one all_reduce
-                # (ASAM's inner product is with eps_t, known only after the ascent: see ascend())
-                stability_with = (previous if scalar_stability else lists.flat_previous_ascent.flat
-                                  if buffered_stability and not adaptive else None) if step.two_pass else None
+                stability_with = None  # <v_t, .>'s partner (ASAM's is eps_t, known only after the ascent)
+                if step.two_pass and scalar_stability:
+                    stability_with = previous
+                elif step.two_pass and buffered_stability and not adaptive:
+                    stability_with = lists.flat_previous_ascent.flat
                 slope_norm, out["inner"] = _global_sums([v.flat], v.flat, stability_with, layout)
             else:
                 slope_norm = long_norm(v.flat)
@@ -72,9 +74,9 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
             if scalar_stability and out["inner"] is None:
                 out["inner"] = long_dot(v.flat, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
             if adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite; with ||eps_t|| and ASAM's stability inner product
-                kept = lists.flat_previous_ascent.flat if buffered_stability else None
+                last_ascent = lists.flat_previous_ascent.flat if buffered_stability else None
                 scaled_norm, unit, unit_norm, out["inner"] = _adaptive_direction(eta, lists, v, previous, pieces,
-                                                                                 finite, kept)
+                                                                                 finite, last_ascent)
                 out["ascent"] = (scaled_norm, unit_norm * step.rho)  # (||T v_t||, ||eps_t||)
             else:  # v_t / ||v_t|| in one kernel over the flat buffer, 0 if not finite; rho rides along below
                 unit = P.ascent_scale(1.0, slope_norm)
@@ -82,9 +84,8 @@ def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: flo
             P.move_(lists.storage_params, pieces, step.rho)  # x_t + eps_t
             if buffered_stability:  # eVASSO, ASAM: the previous ascent eps_last, kept flat
                 kept = lists.flat_previous_ascent
-                # the stability's inner product: ASAM's <eps_t / rho, eps_last>, else <v_t, eps_last>
-                if out["inner"] is None:
-                    out["inner"] = long_dot(previous if adaptive else v.flat, kept.flat)
+                if out["inner"] is None:  # <v_t, eps_last> (ASAM's <eps_t / rho, eps_last> came with its sums)
+                    out["inner"] = long_dot(v.flat, kept.flat)
                 # eps_t = rho * that product is the next previous ascent, where g_t was finite
                 torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
             return unit

@@ -64,8 +64,13 @@ class StepInFlight:
     kept_grads: Optional[Tuple[list, list]] = None    # first_step(): g_t of a step the coin skipped
     finite: Optional[torch.Tensor] = None             # decided on the device: g_t is finite (0-dim bool)
     found_inf: Optional[torch.Tensor] = None          # decided on the device: the base's verdict (0-dim float)
-    fresh: bool = False                               # decided on the device, with slope buffers made now (d_0 = g_0)
-    new_slopes: Tuple[int, ...] = ()                  # which: the indices of the step's parameters
+    new_slopes: Tuple[int, ...] = ()                  # decided on the device: the parameters whose slope starts now
+
+    @property
+    def fresh(self) -> bool:
+        """The step makes slope buffers (``d_0 = g_0``): it reads its verdict, so that a
+        non-finite ``g_0`` leaves none behind."""
+        return bool(self.new_slopes)
 
 
 class StepLists:

@@ -526,7 +526,7 @@ class SharpnessAware(torch.optim.Optimizer):
         flat = S.flat_buffer(self, lists, "slope")
         # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
         # held here, those would stay alive through the second pass (one model's size at the peak)
-        step.previous_slopes, step.fresh, step.new_slopes = flat.views, bool(new), new
+        step.previous_slopes, step.new_slopes = flat.views, new
         return True
 
     def _perturb_on_device(self, step: StepInFlight) -> bool:

@@ -403,7 +403,8 @@ def check_host_syncs(device: str) -> Figure:
 
 
 #: the members whose steps are decided on the device: every one, ASAM's geometry too;
-#: the host path stays for ZeRO/OSS, several devices, partition_group (docs/design.md, "Where a step is decided")
+#: the host path stays for partition_group (ZeRO/OSS, a hand split), several dtypes or devices (docs/design.md,
+#: "Where a step is decided")
 ON_DEVICE = tuple(MEMBERS)
 
 
