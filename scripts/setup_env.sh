@@ -84,9 +84,12 @@ else
         build_cfg=$(mktemp "${TMPDIR:-/tmp}/vasso-build-ext.XXXXXX")
         trap 'rm -f "$build_cfg"' EXIT
         printf '[build_ext]\nparallel = %d\n' "$((cores < 8 ? cores : 8))" > "$build_cfg"
+        build_fairseq() {
+            DIST_EXTRA_CONFIG=${DIST_EXTRA_CONFIG:-$build_cfg} \
+                with_progress "building fairseq-fixed" pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
+        }
         stage "building fairseq-fixed 0.12.3.1 against this torch (2 minutes on 2 idle cores, 4 on busy ones)"
-        if ! DIST_EXTRA_CONFIG=${DIST_EXTRA_CONFIG:-$build_cfg} \
-            with_progress "building fairseq-fixed" pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1; then
+        if ! build_fairseq; then
             # A side-by-side build once failed to link a Cython extension on a busy CI machine,
             # with nothing shown but g++'s exit status: say what the machine had left, then build
             # once more one extension at a time; a second failure stops the setup.
@@ -95,8 +98,7 @@ else
             free -m 2>/dev/null || true
             printf '[build_ext]\nparallel = 0\n' > "$build_cfg"
             stage "building fairseq-fixed again, one extension at a time"
-            DIST_EXTRA_CONFIG=${DIST_EXTRA_CONFIG:-$build_cfg} \
-                with_progress "building fairseq-fixed" pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
+            build_fairseq
         fi
     fi
     stage "installing this package with its fairseq, domainbed, test, slurm and sharding extras"

@@ -702,6 +702,11 @@ def one_rank_nonfinite():
     """FSDP2, no scaler, a NaN in rank 0's part of g_t at step 1 and of h_t at step 2 only:
     {kind: (steps skipped, the weights finite)}."""
     _, init_device_mesh = _fsdp()
+
+    def poison(model):  # a NaN in the first non-empty shard of this rank's gradient
+        grad = next(q.grad.to_local() for q in model.parameters() if q.grad.to_local().numel())
+        grad.view(-1)[0] = float("nan")
+
     out = {}
     for kind in ("SAM", "VASSO", "GSAM", "ASAM", "adaptive eVASSO"):
         model = shard(make_model(), init_device_mesh("cpu", (dist.get_world_size(),)), True)
@@ -710,15 +715,13 @@ def one_rank_nonfinite():
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             if t == 1 and dist.get_rank() == 0:
-                grad = next(q.grad.to_local() for q in model.parameters() if q.grad.to_local().numel())
-                grad.view(-1)[0] = float("nan")
+                poison(model)  # g_t
             if opt.perturb():
                 opt.zero_grad()
                 with opt.second_pass(model):
                     F.cross_entropy(model(x), y).backward()
                 if t == 2 and dist.get_rank() == 0:
-                    grad = next(q.grad.to_local() for q in model.parameters() if q.grad.to_local().numel())
-                    grad.view(-1)[0] = float("nan")
+                    poison(model)  # h_t
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 opt.descend()
