@@ -419,33 +419,29 @@ def test_a_parameter_that_joins_later_is_decided_on_the_device(nonfinite):
     assert opt._lists.flat_slope is not None and all(q is not first for q in opt._lists.params)
     kept = {q: opt.state[q]["sam_slope"].clone() for q in opt._lists.params}
     first.requires_grad_(True)
-    x, y = batches[2]
-    rng = rng_state()
-    opt.zero_grad()
-    first_backward(model, x, y)
-    if nonfinite:
-        first.grad[0, 0] = math.inf
-    g0 = first.grad.clone()
-    grads = {q: q.grad.clone() for q in kept}
-    assert opt.perturb()  # decided on the device: the coin's answer, whatever g_t holds
-    assert opt._lists.flat_slope is not None and any(q is first for q in opt._lists.params)
-    opt.zero_grad()
-    with opt.second_pass(model, rng):
+
+    def explicit_step(x, y, poisoned: bool):
+        """One step of the explicit API: (the newcomer's g_t, the others' g_t, descend()'s answer)."""
+        rng = rng_state()
+        opt.zero_grad()
         first_backward(model, x, y)
-    assert opt.descend() is (not nonfinite)
+        if poisoned:
+            first.grad[0, 0] = math.inf
+        g0, grads = first.grad.clone(), {q: q.grad.clone() for q in kept}
+        assert opt.perturb()  # decided on the device: the coin's answer, whatever g_t holds
+        assert opt._lists.flat_slope is not None and any(q is first for q in opt._lists.params)
+        opt.zero_grad()
+        with opt.second_pass(model, rng):
+            first_backward(model, x, y)
+        return g0, grads, opt.descend()
+
+    g0, grads, stepped = explicit_step(*batches[2], nonfinite)
+    assert stepped is (not nonfinite)
     if nonfinite:
         assert opt.state[first]["sam_held"]["slope"] == 0  # (its sam_slope reads as a zero placeholder)
         assert all(torch.equal(opt.state[q]["sam_slope"], d) for q, d in kept.items())  # d_{t-1} kept
-        x, y = batches[3]
-        opt.zero_grad()
-        first_backward(model, x, y)
-        g0 = first.grad.clone()
-        grads = {q: q.grad.clone() for q in kept}
-        assert opt.perturb()
-        opt.zero_grad()
-        with opt.second_pass(model):
-            first_backward(model, x, y)
-        assert opt.descend()
+        g0, grads, stepped = explicit_step(*batches[3], False)
+        assert stepped
     assert torch.equal(opt.state[first]["sam_slope"], g0)  # d_0 = g_0
     for q, d in kept.items():
         assert torch.equal(opt.state[q]["sam_slope"], torch.lerp(d, grads[q], opt.theta))  # eq. (5a) on
