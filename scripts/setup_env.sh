@@ -77,29 +77,11 @@ else
     if has fairseq; then
         stage "fairseq present"
     else
-        # its C++ and Cython extensions compile side by side, one per core (setuptools' build_ext
-        # --parallel, through a config file of this build only): measured on 2 idle cores, 112 s
-        # against 156 s one at a time
-        cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
-        build_cfg=$(mktemp "${TMPDIR:-/tmp}/vasso-build-ext.XXXXXX")
-        trap 'rm -f "$build_cfg"' EXIT
-        printf '[build_ext]\nparallel = %d\n' "$((cores < 8 ? cores : 8))" > "$build_cfg"
-        build_fairseq() {
-            DIST_EXTRA_CONFIG=${DIST_EXTRA_CONFIG:-$build_cfg} \
-                with_progress "building fairseq-fixed" pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
-        }
-        stage "building fairseq-fixed 0.12.3.1 against this torch (2 minutes on 2 idle cores, 4 on busy ones)"
-        if ! build_fairseq; then
-            # A side-by-side build once failed to link a Cython extension on a busy CI machine,
-            # with nothing shown but g++'s exit status: say what the machine had left, then build
-            # once more one extension at a time; a second failure stops the setup.
-            stage "building fairseq-fixed failed (its output above); disk and memory left:"
-            df -h "${TMPDIR:-/tmp}" "$VENV" 2>/dev/null || true
-            free -m 2>/dev/null || true
-            printf '[build_ext]\nparallel = 0\n' > "$build_cfg"
-            stage "building fairseq-fixed again, one extension at a time"
-            build_fairseq
-        fi
+        # One extension at a time: torch's BuildExtension compiles each through ninja from one
+        # build.ninja in the shared build folder, so side by side (build_ext --parallel) two
+        # extensions overwrite each other's file and one is linked from an object never built
+        stage "building fairseq-fixed 0.12.3.1 against this torch (3 minutes on 2 idle cores, 5 on busy ones)"
+        with_progress "building fairseq-fixed" pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
     fi
     stage "installing this package with its fairseq, domainbed, test, slurm and sharding extras"
     pipq --no-build-isolation -e ".[fairseq,domainbed,test,slurm,sharding]"
