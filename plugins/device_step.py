@@ -19,29 +19,155 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import distributed as D
 from . import ondevice, scaling
 from . import perturbation as P
-from .inflight import StepInFlight, StepLists
+from .inflight import Kind, StepInFlight, StepLists, Store
+from .reductions import Sums
 from .reductions import long_dot, long_norm
 
-__all__ = ["rule", "diagnose", "verdict_"]
+__all__ = ["prepare", "perturb", "descend", "forget_slopes", "flat_buffer", "rule", "diagnose", "verdict_"]
 
 _NAN = float("nan")
+_FLAT_ATTRIBUTES = {"slope": "flat_slope", "previous_ascent": "flat_previous_ascent"}
 
 
-def rule(step: StepInFlight, theta: Optional[float], *, adaptive: bool, eta: float, scalar_stability: bool,
-         buffered_stability: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
-                                            Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+def prepare(step: StepInFlight, own: Store) -> None:
+    """The step's slopes as views of one flat buffer (:func:`flat_buffer`), and the previous
+    ascent's where the stability keeps one.  A parameter without a slope yet (the first step,
+    a layer that joins later) gets one, ``d_0 = g_0`` (:attr:`StepInFlight.new_slopes`)."""
+    lists = step.lists
+    new = () if lists.flat_slope is not None else tuple(
+        i for i, q in enumerate(lists.params) if "slope" not in own.get(q, ()))
+    if len(new) == len(lists.params) and step.knobs.theta is None and not step.two_pass:
+        return  # SAM keeps no slope before its first ascent: the rule only checks g_t's finiteness
+    if step.knobs.buffered_stability and step.two_pass:
+        flat_buffer(own, lists, "previous_ascent")
+    flat = flat_buffer(own, lists, "slope")
+    # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
+    # held here, those would stay alive through the second pass (one model's size at the peak)
+    step.previous_slopes, step.new_slopes = flat.views, new
+
+
+def perturb(step: StepInFlight, last: Optional[torch.Tensor], scratch: Store) -> Optional[torch.Tensor]:
+    """``perturb()`` with no host read: :func:`rule`, then the diagnostics computed when read.
+    Where ``g_t`` was not finite nothing moves, and :func:`descend` skips the base step on the
+    device.  ``last``: the last applied ascent (None: none yet).  Returns the one to keep."""
+    knobs = step.knobs
+    if step.two_pass:
+        step.keep_for_descent(step.lists.flat_slope.views, scratch)  # x_t for an exact restore, g_t for GSAM
+    finite, slope_norm, inner, ascent = rule(step)
+    step.finite = finite
+    zero, one = step.lists.constants()[:2]
+    step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
+    if not step.two_pass:
+        step.kind = Kind.FIRST_GRADIENT
+        step.diagnostics.later(("nonfinite",), lambda: (~finite).double().reshape(1))
+        return last
+    step.kind = Kind.PERTURBED
+    step.grads = None  # g_t is not held through the second pass
+    previous = last is not None
+    if knobs.track_stability:
+        last = _last_on(last, slope_norm, knobs.adaptive)
+    applied = diagnose(step, slope_norm, inner, ascent, last if knobs.track_stability else None,
+                       buffered=knobs.buffered_stability, previous=previous)
+    return last if applied is None else applied
+
+
+def _last_on(last: Optional[torch.Tensor], like: torch.Tensor, adaptive: bool) -> torch.Tensor:
+    """The last applied ascent (``[rho, ||v||]``, adaptive geometry's ``[rho, ||v||, ||eps||]``;
+    NaN: none yet) on ``like``'s device, in its dtype: made there (no tensor from host data,
+    which would be a host sync on a GPU)."""
+    if last is None:
+        return torch.full((3 if adaptive else 2,), _NAN, dtype=like.dtype, device=like.device)
+    return last.to(like.device, like.dtype)
+
+
+def descend(step: StepInFlight, base_optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
+            found_inf: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[int]]:
+    """``descend()``'s base step for a step decided on the device (parameters back at ``x_t``
+    already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as torch's
+    ``found_inf`` (:func:`verdict_`; GSAM's correction on the way).  Under a scaler,
+    ``found_inf`` is the scaler's verdict on ``.grad`` and ``grad_scale`` the scale ``.grad``
+    still carries.  Returns the verdict's code (0 taken, 1 ``h_t`` or the scaler's, 2 ``g_t``)
+    and, where the host had to read it (a base that takes no ``found_inf``), its value."""
+    lists = step.lists
+    zero, one, two = lists.constants()
+    layout = lists.layout
+    grads = [h for h in lists.local_grads(missing_ok=True) if h is not None]
+    gsam = step.kind is Kind.PERTURBED and step.knobs.gsam_alpha > 0.0 and step.rho > 0.0 and grads  # rho 0: h == g
+    verdict = verdict_(step.found_inf, found_inf, grads, grad_scale, one, zero,
+                       check=step.kind is Kind.PERTURBED, layout=None if gsam else layout)
+    if gsam:
+        second, firsts, plan = step.second_grads()
+        sums = Sums().norm("h", second).inner("g_dot_h", firsts, second)
+        if layout.collective:  # the ranks' verdicts ride along with GSAM's sums: one all_reduce
+            h_norm, g_dot_h, verdict = sums.reduce(plan, layout=layout, extra={"verdict": verdict}).unbind(0)
+            verdict = torch.where(verdict > 0, one, zero)
+        else:
+            h_norm, g_dot_h = sums.reduce(plan).unbind(0)
+        step.gsam_correct(second, firsts, h_norm, g_dot_h)  # h_t - alpha g_t^perp
+    code = torch.where(step.finite, verdict, two)
+    read = ondevice.base_step(base_optimizer, verdict, code, stepped_before=lists.base_stepped and not step.fresh)
+    lists.base_stepped = lists.base_stepped or read == 0
+    P.moved_parameters()
+    return code, read
+
+
+def forget_slopes(step: StepInFlight, own: Store) -> None:
+    """Drop the slope buffers a step made from a non-finite ``g_0`` (zeros), so that the next
+    step starts them at ``d_0 = g_0``; the kept ones move to the next flat buffer."""
+    lists = step.lists
+    for i in step.new_slopes:
+        own[lists.params[i]].pop("slope", None)
+    lists.buffers.pop("slope", None)
+    lists.flat_slope = None
+
+
+def flat_buffer(own: Store, lists: StepLists, key: str) -> ondevice.Flat:
+    """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
+    selection or an inner product over all of them is one kernel: made once per set of
+    parameters from the buffers earlier steps wrote, and zeros where a parameter has none yet."""
+    attribute = _FLAT_ATTRIBUTES[key]
+    if getattr(lists, attribute) is None:
+        kept = [own[q].get(key) if q in own else None for q in lists.params]
+        locals_ = lists.local_params()
+        flat = ondevice.Flat(locals_)
+        if any(v is None for v in kept):
+            flat.flat.zero_()
+        pairs = [(view, D.local(v)) for view, v in zip(flat.views, kept) if v is not None]
+        if pairs:
+            torch._foreach_copy_([view for view, _ in pairs], [v for _, v in pairs])
+        for q, v in zip(lists.params, flat.views):
+            own[q][key] = D.like(q, v)  # a DTensor parameter's state is a DTensor sharded as it is
+        # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps
+        # its buffer of its own: as a view it would keep an earlier flat buffer alive
+        present = set(map(id, lists.params))
+        for q, buffers in own.items():
+            s = buffers.get(key)
+            if id(q) not in present and torch.is_tensor(s) and D.local(s)._base is not None:
+                buffers[key] = D.like(q, D.local(s).clone(memory_format=torch.preserve_format))
+        lists.buffers[key] = flat.views
+        setattr(lists, attribute, flat)
+        if lists.storage_params is None:
+            lists.storage_params = ondevice.storage_views(locals_)
+    return getattr(lists, attribute)
+
+
+def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
+                                     Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """The paper's rule (:func:`plugins.perturbation.rule_`) with its one decision on the
     device: the slope buffer takes ``v_t`` in place, and where ``g_t`` was not finite one
     ``torch.where`` puts ``v_{t-1}`` back before anything uses it, so that ``d_t = d_{t-1}``
     and the ascent's scale is 0.  Returns, on the device, ``g_t``'s finiteness, ``||v_t||``,
     the stability's inner product (``<v_t, v_{t-1}>``, or with the previous ascent
     ``eps_last``: ``<v_t, eps_last>``, ASAM's ``<eps_t / rho, eps_last>``) and ASAM's
-    ``(||T v_t||, ||eps_t||)``.  ``scalar_stability``: the stability from ``<v_t, v_{t-1}>``;
-    ``buffered_stability``: from the previous ascent kept flat (eVASSO, ASAM), which takes
-    ``eps_t`` here.  What the restore needs of ``x_t`` (``step.anchors``) is kept already."""
-    lists = step.lists
+    ``(||T v_t||, ||eps_t||)``.  The scalar stability comes from ``<v_t, v_{t-1}>``, the
+    buffered one from the previous ascent kept flat (eVASSO, ASAM), which takes ``eps_t``
+    here.  What the restore needs of ``x_t`` (``step.anchors``) is kept already."""
+    knobs, lists = step.knobs, step.lists
+    theta, adaptive, eta = knobs.theta, knobs.adaptive, knobs.eta
+    scalar_stability, buffered_stability = knobs.scalar_stability, knobs.buffered_stability
     layout = lists.layout
     v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
     if theta is None and not step.two_pass:         # SAM's slope keeps the last ascent's g: only check g_t

@@ -16,14 +16,56 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import distributed as D
+from . import perturbation as P
 from .diagnostics import Deferred, Diagnostics
 from .ondevice import dense
-from .perturbation import weight_mask
 from .reductions import FLAT_BELOW, chunk_plan
 
-__all__ = ["Kind", "StepInFlight", "StepLists"]
+__all__ = ["Knobs", "Kind", "StepInFlight", "StepLists"]
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
+
+# per-parameter buffers by name: the optimizer's persistent state, or its per-step scratch
+Store = Dict[torch.Tensor, Dict[str, torch.Tensor]]
+
+
+def copy_(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """``torch._foreach_copy_`` for lists that may be empty: under ``partition_group`` a
+    rank whose parameters have no gradient yet (frozen, or not in the forward) takes part
+    in the step's collectives with nothing of its own."""
+    if destinations:
+        torch._foreach_copy_(destinations, sources)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The family's choices as one step sees them (``docs/design.md``, "One step, equation by
+    equation"): the kernels take these, never the optimizer."""
+
+    theta: Optional[float]      # None: SAM's raw gradient; else VASSO's EMA weight
+    adaptive: bool              # ASAM geometry, T = |x| + eta on weights
+    eta: float
+    gsam_alpha: float           # GSAM's correction (0: off)
+    p: float                    # the second pass's probability (< 1: eSAM, eVASSO)
+    track_stability: bool
+    exact_restore: bool
+
+    @property
+    def scalar_stability(self) -> bool:
+        """The stability from scalars alone: the previous ascent is recoverable from what the
+        slope buffer holds before this step writes it."""
+        return self.track_stability and not self.adaptive and (self.theta is None or self.p >= 1.0)
+
+    @property
+    def buffered_stability(self) -> bool:
+        """eVASSO's and ASAM's stability: the coin's one-pass steps move ``d_t`` too, and ASAM's
+        ascent depends on ``x_t``, so the previous ascent is kept in a buffer of its own
+        (``previous_ascent``, one model's size)."""
+        return self.track_stability and not self.scalar_stability
+
+    def persistent_buffers(self) -> List[str]:
+        """The per-parameter buffers kept from step to step."""
+        return ["slope"] + (["previous_ascent"] if self.buffered_stability else [])
 
 
 class Kind(enum.Enum):
@@ -39,6 +81,7 @@ class StepInFlight:
 
     kind: Kind
     scaled: bool                                      # g_t (and h_t) went through a GradScaler
+    knobs: Optional[Knobs] = None
     lists: Optional["StepLists"] = None
     rho: float = 0.0
     # perturb()'s own: what its phases hand each other
@@ -72,6 +115,44 @@ class StepInFlight:
         non-finite ``g_0`` leaves none behind."""
         return bool(self.new_slopes)
 
+    def keep_for_descent(self, slopes: List[torch.Tensor], scratch: Store) -> None:
+        """What the second half needs of ``x_t``: ``g_t`` for GSAM's correction (SAM's slope
+        buffer holds it; V+G copies it, d_t does not keep it), and ``x_t`` itself where the
+        restore copies it back (exact restore, adaptive geometry, fp16/bf16)."""
+        knobs, lists = self.knobs, self.lists
+        if knobs.gsam_alpha > 0.0:
+            if knobs.theta is not None:
+                self.first_grads = lists.buffer(scratch, "first_grad", self.grads)
+                copy_(self.first_grads, self.grads)
+            else:
+                self.first_grads = slopes
+        if knobs.exact_restore or knobs.adaptive or lists.low_precision:
+            self.anchors = lists.buffer(scratch, "anchor", self.params)
+            copy_(self.anchors, self.params)
+
+    def second_grads(self):
+        """``h_t`` (this rank's parts), GSAM's ``g_t`` beside it and the reduction plan: a
+        parameter that got no gradient in the second pass counts for nothing."""
+        layout = self.lists.layout
+        second, firsts, plan = self.lists.local_grads(missing_ok=True), self.first_grads, self.lists.plan
+        if any(h is None for h in second):
+            if layout.counted is not None:  # keep the indices: zeros count for nothing
+                second = [torch.zeros_like(q) if h is None else h for q, h in zip(self.params, second)]
+            else:
+                keep = [i for i, h in enumerate(second) if h is not None]
+                second = [second[i] for i in keep]
+                firsts = None if firsts is None else [firsts[i] for i in keep]
+                plan = None
+        return second, firsts, plan
+
+    def gsam_correct(self, second, firsts, h_norm, g_dot_h) -> None:
+        """GSAM's ``h_t - alpha g_t^perp`` on the gradients the second pass made, from the
+        reduced ``||h_t||`` and ``<g_t, h_t>`` (floats, or device tensors on the device path)."""
+        present = [i for i, h in enumerate(self.lists.local_grads(missing_ok=True)) if h is not None]
+        if len(present) < len(second):  # zeros stood in for the missing h: correct the others
+            second, firsts = [second[i] for i in present], [firsts[i] for i in present]
+        P.gsam_correct(second, firsts, self.knobs.gsam_alpha, h_norm=h_norm, g_dot_h=g_dot_h)
+
 
 class StepLists:
     """What a step needs about the parameters that have a gradient, built once per
@@ -89,7 +170,7 @@ class StepLists:
         locals_ = self.local_params()
         counted = locals_ if layout.counted is None else [locals_[i] for i in layout.counted]
         self.plan = chunk_plan(counted)  # over this rank's local parts (uneven shards too)
-        self.mask = weight_mask(params, None if any(n is None for n in names) else names) if adaptive else None
+        self.mask = P.weight_mask(params, None if any(n is None for n in names) else names) if adaptive else None
         self.low_precision = any(q.dtype not in _EXACT_DTYPES for q in params)
         # VASSO's ||d_t|| from the first reduction saves a host sync but costs a pass that
         # writes d_t's size: worth it on accelerators, and on the CPU (where a "sync"
@@ -137,6 +218,34 @@ class StepLists:
     def local_params(self) -> List[torch.Tensor]:
         """This rank's parts of the parameters (the parameters themselves unless DTensors)."""
         return [D.local(q) for q in self.params] if self.layout.sharded else self.params
+
+    def buffer(self, store: Store, key: str, like: List[torch.Tensor], *, zeros: bool = False) -> List[torch.Tensor]:
+        """Per-parameter buffers named ``key`` in ``store``, allocated on first use as copies
+        of ``like`` (or zeros of its shape): DTensors for DTensor parameters, so that the
+        state is sharded as they are.  Returns this rank's local parts, cached for the step's
+        set of parameters."""
+        out = self.buffers.get(key)
+        if out is not None:
+            return out
+        out = []
+        for q, src in zip(self.params, like):
+            buf = store[q].get(key)
+            if buf is None:
+                src = src.detach()
+                if D.is_dtensor(q):  # a DTensor sharded as q, its local part from src
+                    buf = torch.empty_like(q.detach(), dtype=src.dtype)
+                    D.local(buf).zero_() if zeros else D.local(buf).copy_(src)
+                else:
+                    buf = torch.zeros_like(src) if zeros else src.clone(memory_format=torch.preserve_format)
+                store[q][key] = buf
+            out.append(D.local(buf))
+        self.buffers[key] = out
+        return out
+
+    def kept_slopes(self, own: Store) -> List[Optional[torch.Tensor]]:
+        """Each parameter's slope buffer (its local part), None where it has none yet: for a
+        step whose set of parameters with a gradient changed."""
+        return [D.local(own[q]["slope"]) if "slope" in own.get(q, ()) else None for q in self.params]
 
     def local_grads(self, missing_ok: bool = False) -> List[Optional[torch.Tensor]]:
         if not self.layout.sharded:

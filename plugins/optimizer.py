@@ -1,43 +1,12 @@
-"""The sharpness-aware optimizer family as one wrapper over any torch optimizer.
+"""The sharpness-aware optimizer family as one thin class over any torch optimizer.
 
-One class, four independent choices (``docs/design.md``, "One step, equation by equation"):
-
-=============  ===================================  ===============================
-choice         knob                                 members
-=============  ===================================  ===============================
-slope          ``theta`` (None: raw gradient)       SAM / VASSO
-geometry       ``adaptive``, ``eta``                plain / ASAM
-correction     ``gsam_alpha``                       none / GSAM
-schedule       ``p``, ``seed``                      every step / eSAM, eVASSO
-=============  ===================================  ===============================
-
-so VASSO+GSAM (``VASSO(..., gsam_alpha=a)``) or adaptive eVASSO
-(``VASSO(..., adaptive=True, p=0.5)``) need no class of their own.
-
-State this wrapper keeps beside the base optimizer's (bytes are counted by
-:meth:`SharpnessAware.state_nbytes`):
-
-==========================================  =========================================
-variant                                     per-parameter buffers
-==========================================  =========================================
-SAM, eSAM (plain, fp32 params)              ``slope`` = g of the last two-pass step
-VASSO (plain, fp32, p = 1)                  ``slope`` = d_t, plus the scalar ||d_t||
-eVASSO (p < 1)                              ``slope`` + ``previous_ascent`` (only for
-                                            the stability diagnostic; off with
-                                            ``track_stability=False``)
-+ GSAM on VASSO (V+G)                       + ``first_grad`` (g_t, needed by GSAM)
-+ adaptive geometry                         + ``anchor`` (x_t: T cannot be recomputed
-                                            at x_t + eps) + ``previous_ascent``
-                                            (diagnostic)
-fp16 / bf16 parameters                      + ``anchor`` (exact restore; on the host
-                                            path VASSO first computes d_t there, before
-                                            the step's one reduction, so that its norm
-                                            as rounded rides along)
-==========================================  =========================================
-
-The restore of plain geometry with fp32 parameters subtracts the same ``s * v``
-it added, so parameters come back equal up to the rounding of one add and one
-subtract; everything else restores from the ``anchor`` copy, exactly.
+:class:`SharpnessAware` keeps the param groups, the state and the step protocol; the step's
+work is done by functions of tensors and knobs: :mod:`plugins.device_step` where the step is
+decided on the device, :mod:`plugins.host_step` where a host read decides, both over
+:mod:`plugins.perturbation`'s formulas (``docs/design.md``).  The family's four choices
+(slope, geometry, correction, schedule) are knobs, so VASSO+GSAM or adaptive eVASSO need no
+class of their own; :class:`SAM` and :class:`VASSO` only set ``theta``.  The buffers each
+member keeps: ``docs/torch.md``.
 """
 
 from __future__ import annotations
@@ -53,14 +22,13 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from . import device_step, diagnostics, ondevice, reductions, scaling
+from . import device_step, diagnostics, host_step, ondevice, scaling
 from . import distributed as D
 from . import perturbation as P
 from . import state as S
-from .diagnostics import Deferred, Diagnostics
-from .inflight import Kind, StepInFlight, StepLists
+from .diagnostics import Diagnostics
+from .inflight import Kind, Knobs, StepInFlight, StepLists
 from .named_params import normalize_param_group, normalize_param_groups
-from .reductions import Sums
 from .validation import Closure, Params, Range, check
 
 __all__ = ["SharpnessAware", "SAM", "VASSO", "Diagnostics"]
@@ -85,49 +53,29 @@ def _ends_with_the_diagnostics_wait(descend):
 
 
 class SharpnessAware(torch.optim.Optimizer):
-    r"""Sharpness-aware minimization over any torch optimizer.
+    r"""Sharpness-aware minimization over any torch optimizer (``docs/torch.md``).
 
-    Each step evaluates the gradient ``g_t`` at ``x_t``, builds the slope ``v_t``
-    (``g_t``, or VASSO's ``d_t = (1 - theta) d_{t-1} + theta g_t`` with
-    ``d_0 = g_0`` as in the authors' code), moves to ``x_t + eps_t`` with
-    ``eps_t = rho v_t / ||v_t||`` (one global norm over every parameter group;
-    adaptive: ``rho T^2 v_t / ||T v_t||``), evaluates the gradient ``h_t`` there,
-    returns to ``x_t`` and lets the base optimizer step with ``h_t`` (GSAM:
-    ``h_t - gsam_alpha * g_t^\perp``).  With ``p < 1`` the second pass runs with
-    probability ``p`` (a coin that is a function of ``(seed, step)``); otherwise the
-    base optimizer steps with ``g_t``.
+    A step reads ``g_t`` at ``x_t``, updates the slope ``v_t`` (SAM: ``g_t``; VASSO:
+    ``d_t = (1 - theta) d_{t-1} + theta g_t``, ``d_0 = g_0``), moves to ``x_t + eps_t`` with
+    ``eps_t = rho v_t / ||v_t||`` (one norm over every group; ASAM: ``rho T^2 v_t / ||T v_t||``),
+    reads ``h_t`` there, comes back and lets the base optimizer step with ``h_t`` (GSAM:
+    ``h_t - gsam_alpha g_t^perp``).  With ``p < 1`` a coin of ``(seed, t)`` may skip the second
+    pass; the base then steps with ``g_t``.  The equations and the functions that state them:
+    ``docs/design.md``.
 
-    Args:
-        params: parameters or parameter groups, as for any torch optimizer;
-            ``model.named_parameters()`` lets adaptive geometry pick weights by name.
-        base_optimizer: an optimizer class (built here with ``**base_kwargs``) or an
-            optimizer already built over exactly these parameters.
-        rho: radius of the neighbourhood, ``>= 0``; ``0`` steps exactly like the base.
-            Held in every param group (``group["rho"]``, all equal: one global norm),
-            where a scheduler may change it.
-        theta: ``None`` for SAM's raw gradient, else VASSO's EMA weight in ``(0, 1]``.
-        adaptive: ASAM geometry (Kwon et al. 2021), ``T = |x| + eta`` on weights.
-        eta: ASAM's offset, ``>= 0``.
-        gsam_alpha: GSAM's descent correction (Zhuang et al. 2022), ``>= 0``; 0 is off.
-        p: probability of the second pass, in ``[0, 1]``; ``< 1`` gives eSAM/eVASSO.
-        seed: seeds the coin; the same on every distributed rank.
-        rho_min: GSAM's rho schedule (``None``: constant rho): the step's rho is
-            ``rho_min + (rho - rho_min) (lr_t - lr_min) / (lr_max - lr_min)`` with
-            ``lr_t`` the first group's lr; in ``[0, rho]``.
-        lr_max: the schedule's peak lr (default: the first group's lr now).
-        lr_min: the schedule's lowest lr, ``>= 0`` (default 0).
-        track_stability: compute ``||eps_t - eps_{t-1}||`` (may hold one buffer,
-            see the module docstring).
-        exact_restore: keep a copy of ``x_t`` during each two-pass step and restore
-            from it, bit for bit, instead of subtracting ``eps`` again (one more
-            parameter-sized buffer; automatic for adaptive geometry and fp16/bf16).
-        partition_group: the ``torch.distributed`` group over which the parameters are split
-            among the ranks' optimizers (``ZeroRedundancyOptimizer``, fairscale's ``OSS``, a
-            hand-split model: pass it to them as :class:`plugins.PartitionGroup`; flat shards
-            the model gathers itself: ``PartitionGroup(group, model_gathers=True)``). None for
-            one process, DDP and FSDP2 (``docs/distributed.md``).
+    ``params`` and ``base_optimizer`` (a class built here with ``**base_kwargs``, or an
+    optimizer over exactly these parameters) are as for torch; ``rho`` lives in every param
+    group, where a scheduler may change it.  The family's knobs (``theta``, ``adaptive``,
+    ``eta``, ``gsam_alpha``, ``p``, ``seed``, ``rho_min``/``lr_max``/``lr_min``) and their ranges:
+    the README's table.  ``track_stability``: compute ``||eps_t - eps_{t-1}||`` (eVASSO and ASAM
+    keep one buffer for it); ``exact_restore``: come back to ``x_t`` from a copy, bit for bit
+    (automatic for ASAM and fp16/bf16).
+    ``partition_group``: the group over which ZeRO, OSS or a hand split divide the parameters
+    (``docs/distributed.md``); None for one process, DDP and FSDP2.
 
-    Two ways to use it.  With a closure (torch's convention)::
+    Take a step with a closure, as torch does, or through :meth:`perturb`,
+    :meth:`second_pass` and :meth:`descend` for loops that own their backward; both take a
+    ``torch.amp.GradScaler`` (``docs/mixed_precision.md``).  Every rank calls them alike.
 
         >>> import torch
         >>> from plugins import VASSO
@@ -142,11 +90,6 @@ class SharpnessAware(torch.optim.Optimizer):
         >>> loss = opt.step(closure)
         >>> round(opt.diagnostics["ascent_norm"], 6)
         0.1
-
-    ``opt.step(closure, model=model)`` also keeps ``model``'s BatchNorm running
-    statistics from the first pass only.  Or, for loops that own their forward and
-    backward (fairseq, DomainBed), the host protocol (``docs/design.md``, "The host protocol")::
-
         >>> from plugins.perturbation import rng_state
         >>> rng = rng_state()
         >>> opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -156,32 +99,6 @@ class SharpnessAware(torch.optim.Optimizer):
         ...         torch.nn.functional.cross_entropy(model(x), y).backward()   # h_t
         >>> opt.descend()                      # back to x_t, base step with h_t
         True
-
-    Both APIs take a stock ``torch.amp.GradScaler``: ``opt.step(closure, scaler=scaler)``,
-    or ``opt.perturb(scaler=scaler)`` with ``scaler.step(opt)`` in place of
-    :meth:`descend`; ``g_t`` and ``h_t`` are unscaled exactly once, an overflow in
-    either pass skips the step (``docs/mixed_precision.md``).  ``opt.diagnostics``
-    turns its device values into floats when first read (:class:`Diagnostics`).
-
-    Distributed, the step is the one-process step on the whole batch, on every rank
-    (``docs/design.md``, "Where a step is decided"): under DDP nothing changes; under FSDP2 the
-    parameters are DTensors and each rank computes on its shard, with one
-    ``all_reduce`` of a few floats per decision, on the device; under ZeRO / OSS pass
-    ``partition_group``.  There the wrapper's ``step()`` calls this one, so the closure
-    API is ``zero.step(closure, model=model)`` and the explicit API reaches this
-    optimizer as ``zero.optim`` (OSS: ``oss.optim``)::
-
-        rng = plugins.rng_state()
-        loss(model, batch).backward()
-        if zero.optim.perturb():              # this rank's parameters to x_t + eps_t
-            zero.zero_grad()
-            with zero.optim.second_pass(model, rng):   # the others' arrive first
-                loss(model, batch).backward()
-        zero.step()                           # descend(), then the wrapper's own sync
-
-    Every rank must call these alike (they hold collectives); the first step also
-    checks, with one collective, that plain tensors on several ranks are replicas
-    without ``partition_group`` and not with it.
     """
 
     def __init__(self, params: Params, base_optimizer, rho: float = 0.05, *, theta: Optional[float] = None,
@@ -250,7 +167,7 @@ class SharpnessAware(torch.optim.Optimizer):
         self._step = 0
         self._nonfinite_steps = 0
         # the last applied ascent, for the next step's stability (None before the first): a tensor
-        # [rho, ||v||] (plain geometry), [rho, ||v||, ||eps||] (adaptive), see :meth:`_last_ascent`
+        # [rho, ||v||] (plain geometry), [rho, ||v||, ||eps||] (adaptive), float64
         self._last: Optional[torch.Tensor] = None
         self._verdicts = ondevice.Verdicts()  # steps decided on the device, on their way to the host
         self._scratch: Dict[torch.Tensor, Dict[str, torch.Tensor]] = defaultdict(dict)
@@ -267,26 +184,6 @@ class SharpnessAware(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ plumbing
 
-    def _last_ascent(self, like: torch.Tensor) -> torch.Tensor:
-        """The last applied ascent (``[rho, ||v||]``, adaptive geometry's ``[rho, ||v||, ||eps||]``,
-        :func:`plugins.perturbation.last_ascent_norm`; NaN: none yet) on ``like``'s device, in its
-        dtype: made there (no tensor from host data, which would be a host sync on a GPU)."""
-        last = self._last
-        if last is None:
-            return torch.full((3 if self.adaptive else 2,), _NAN, dtype=like.dtype, device=like.device)
-        if last.device != like.device or last.dtype != like.dtype:
-            self._last = last = last.to(like.device, like.dtype)
-        return last
-
-    def _record_ascent(self, step: StepInFlight, ascent_norm) -> torch.Tensor:
-        """The host path's applied ascent as :meth:`_last_ascent` holds it (float64, on the
-        parameters' device, filled from the step's floats and 0-dim tensors)."""
-        values = [step.rho, step.slope_norm] + ([ascent_norm] if self.adaptive else [])
-        last = torch.empty(len(values), dtype=torch.float64, device=step.lists.layout.device)
-        for i, value in enumerate(values):
-            last[i:i + 1].fill_(value)
-        return last
-
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         param_group = normalize_param_group(param_group)
         if hasattr(self, "base_optimizer"):
@@ -294,6 +191,13 @@ class SharpnessAware(torch.optim.Optimizer):
             self._group_rho()
         else:
             super().add_param_group(param_group)
+
+    @property
+    def knobs(self) -> Knobs:
+        """The family's choices as the step's kernels take them (read at each step, so that a
+        knob set on the optimizer, as ``opt.theta = 0.5``, takes effect at the next)."""
+        return Knobs(self.theta, self.adaptive, self.eta, self.gsam_alpha, self.p, self.track_stability,
+                     self.exact_restore)
 
     # ------------------------------------------------------------------ rho
 
@@ -353,31 +257,6 @@ class SharpnessAware(torch.optim.Optimizer):
         layout = D.Layout(params, self.partition_group, model_gathers=self._model_gathers)
         self._lists = lists = StepLists(params, names, self.adaptive, layout)
         return lists
-
-    def _buffers(self, lists: StepLists, key: str, like: List[torch.Tensor], *, scratch: bool = False,
-                 zeros: bool = False) -> List[torch.Tensor]:
-        """Per-parameter buffers named ``key`` (in ``state``, or the per-step scratch),
-        allocated on first use as copies of ``like`` (or zeros of its shape): the
-        parameters or their gradients, DTensors for DTensor parameters (so the state is
-        sharded as they are).  Returns this rank's local parts (:func:`plugins.distributed.local`)."""
-        out = lists.buffers.get(key)
-        if out is not None:
-            return out
-        store = self._scratch if scratch else self._own_state
-        out = []
-        for q, src in zip(lists.params, like):
-            buf = store[q].get(key)
-            if buf is None:
-                src = src.detach()
-                if D.is_dtensor(q):  # a DTensor sharded as q, its local part from src
-                    buf = torch.empty_like(q.detach(), dtype=src.dtype)
-                    D.local(buf).zero_() if zeros else D.local(buf).copy_(src)
-                else:
-                    buf = torch.zeros_like(src) if zeros else src.clone(memory_format=torch.preserve_format)
-                store[q][key] = buf
-            out.append(D.local(buf))
-        lists.buffers[key] = out
-        return out
 
     def _skip_nonfinite(self, which: str, scaled: bool, step: Optional[int] = None) -> None:
         """Count a step skipped for a non-finite gradient; warn unless a loss scaler is
@@ -444,20 +323,24 @@ class SharpnessAware(torch.optim.Optimizer):
             raise RuntimeError("perturb() called twice: finish the step with descend() or abandon() first")
         step = self._begin(scaler, loss)          # the coin, rho, the step's lists; g_t unscaled where kept
         if self._decides_on_device(step):         # no host read: the finiteness of g_t stays on the device
-            return self._perturb_on_device(step)
-        sums = self._first_pass_sums(step)        # one reduction, one host read: ||g_t||, ||d_t||, ...
+            device_step.prepare(step, self._own_state)
+            self._last = device_step.perturb(step, self._last, self._scratch)
+            self._pending = step
+            return step.two_pass
+        has_last = self._last is not None         # on the host: one reduction, one read (||g_t||, ||d_t||, ...)
+        sums = host_step.first_pass_sums(step, has_last, self._scratch, self._exchange)
         if not math.isfinite(sums["grad"]):       # the finiteness decision: nothing has moved, d_{t-1} kept
             step.kind = Kind.NONFINITE
             self._pending = step
             self._skip_nonfinite("first-pass", step.scaled)
             return False
-        inner = self._previous_inner(step, sums)  # <v_t, v_{t-1}> for the stability, before d_t is written
-        self._rule(step, sums)                    # the paper's rule: d_t, and the ascent to x_t + eps_t
+        inner = host_step.previous_inner(step, has_last, sums, self._own_state)  # before d_t is written
+        host_step.rule(step, sums, self._own_state, self._scratch)  # eqs. (5a)-(5b): d_t, x_t + eps_t
         if not step.two_pass:                     # the coin skipped: the base will step with g_t
             step.kind = Kind.FIRST_GRADIENT
             self._pending = step
             return False
-        self._diagnose(step, sums, inner)         # ascent norm, sharpness, stability
+        self._last = host_step.diagnose(step, sums, inner, self._last, self._own_state)
         step.kind = Kind.PERTURBED
         step.grads = None                         # g_t lives on in the buffers: not held through the second pass
         self._pending = step
@@ -492,7 +375,8 @@ class SharpnessAware(torch.optim.Optimizer):
         two_pass = (len(params) > 0 or layout.collective) and P.second_pass_coin(self.p, self.seed, t)
         if loss_scale is not None and two_pass:  # the second backward overwrites .grad: unscale g_t where it is
             scaling.unscale(grads, loss_scale, in_place=True)
-        step = StepInFlight(Kind.NONFINITE, scaled=loss_scale is not None, lists=lists, rho=rho, params=params,
+        step = StepInFlight(Kind.NONFINITE, scaled=loss_scale is not None, knobs=self.knobs, lists=lists, rho=rho,
+                            params=params,
                             two_pass=two_pass, grads=grads, loss_scale=loss_scale, diagnostics=diag,
                             first_loss=loss.detach() if torch.is_tensor(loss) else loss)
         # d_{t-1}; where the sums cross ranks, a step whose set of parameters with a gradient
@@ -500,7 +384,7 @@ class SharpnessAware(torch.optim.Optimizer):
         # ones, so that its sums ride along too, as every step's
         slopes = lists.buffers.get("slope")
         if slopes is None and two_pass and layout.collective:
-            step.previous_slopes = [g if s is None else s for g, s in zip(grads, self._kept_slopes(lists))]
+            step.previous_slopes = [g if s is None else s for g, s in zip(grads, lists.kept_slopes(self._own_state))]
         else:
             step.previous_slopes = slopes
         if self._partitioned and two_pass:
@@ -509,228 +393,9 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _decides_on_device(self, step: StepInFlight) -> bool:
         """Whether this step keeps its decisions on the device (:mod:`plugins.device_step`): one
-        process or replicas, one device and dtype (fp16/bf16 reduced in float32), a GradScaler or none.  A
-        parameter without a slope buffer yet (the first step, a layer that joins later) gets one
-        here, ``d_0 = g_0`` (:attr:`StepInFlight.fresh`), and zeros for the previous ascent where the
-        stability keeps one (eVASSO, ASAM), as the host path's."""
-        if not (self._decide_on_device and step.lists.on_device and step.exchange is None
-                and (self.partition_group is None or self._model_gathers)):
-            return False
-        own, lists = self._own_state, step.lists
-        new = () if lists.flat_slope is not None else tuple(
-            i for i, q in enumerate(lists.params) if "slope" not in own.get(q, ()))
-        if len(new) == len(lists.params) and self.theta is None and not step.two_pass:
-            return True  # SAM keeps no slope before its first ascent: the rule only checks g_t's finiteness
-        if self._buffered_stability() and step.two_pass:
-            S.flat_buffer(self, lists, "previous_ascent")
-        flat = S.flat_buffer(self, lists, "slope")
-        # the flat buffer's views, not the per-parameter buffers it replaced at its first step:
-        # held here, those would stay alive through the second pass (one model's size at the peak)
-        step.previous_slopes, step.new_slopes = flat.views, new
-        return True
-
-    def _perturb_on_device(self, step: StepInFlight) -> bool:
-        """:meth:`perturb` with no host read (:func:`plugins.device_step.rule`).  Returns the
-        coin: True means run the second pass, even where ``g_t`` was not finite (nothing moved
-        then, and :meth:`_descend_on_device` skips the base step on the device)."""
-        if step.two_pass:
-            self._keep_for_descent(step, step.lists.flat_slope.views)  # x_t for an exact restore, g_t for GSAM
-        finite, slope_norm, inner, ascent = device_step.rule(
-            step, self.theta, adaptive=self.adaptive, eta=self.eta, scalar_stability=self._scalar_stability(),
-            buffered_stability=self._buffered_stability())
-        step.finite = finite
-        zero, one = step.lists.constants()[:2]
-        step.found_inf = torch.where(finite, zero, one)  # the base's verdict; descend() adds h_t's
-        if step.two_pass:
-            previous = self._last is not None
-            last = self._last_ascent(slope_norm) if self.track_stability else None
-            applied = device_step.diagnose(step, slope_norm, inner, ascent, last, buffered=self._buffered_stability(),
-                                           previous=previous)
-            if applied is not None:
-                self._last = applied
-            step.kind = Kind.PERTURBED
-            step.grads = None  # as perturb()'s: g_t is not held through the second pass
-        else:
-            step.kind = Kind.FIRST_GRADIENT
-            step.diagnostics.later(("nonfinite",), lambda: (~finite).double().reshape(1))
-        self._pending = step
-        return step.two_pass
-
-    def _buffered_stability(self) -> bool:
-        """eVASSO's and ASAM's stability: the coin's one-pass steps move ``d_t`` too, and ASAM's
-        ascent depends on ``x_t``, so the previous ascent is not recoverable from the slope
-        buffer and is kept in a buffer of its own (``previous_ascent``, one model's size)."""
-        return self.track_stability and not self._scalar_stability()
-
-    def _scalar_stability(self) -> bool:
-        """The stability from scalars alone: where the previous ascent is recoverable from
-        what the slope buffer holds before this step writes it."""
-        return self.track_stability and not self.adaptive and (self.theta is None or self.p >= 1.0)
-
-    def _first_pass_sums(self, step: StepInFlight) -> Dict[str, float]:
-        """The step's one reduction and host read (``docs/design.md``, "Where a step is decided"): ``grad``
-        ``||g_t||`` (finiteness, SAM's ``||v_t||``); ``grad_dot_last`` ``<g_t, v_last>`` for
-        the scalar stability (SAM: g of the last ascent; VASSO: d_{t-1}); ``slope``
-        VASSO's ``||d_t||`` from ``d_{t-1}`` and ``g_t`` before ``d_t`` is written (the
-        ascent's scale); where the sums cross ranks, adaptive geometry's ``||T v_t||``
-        (``scaled_slope``), which the ascent needs before the second pass.  A step the
-        coin skips with a scaler reads only the finiteness of the scaled ``g_t``."""
-        lists, grads, previous, theta = step.lists, step.grads, step.previous_slopes, self.theta
-        layout = lists.layout
-        sums = Sums().norm("grad", grads)
-        if self._scalar_stability() and step.two_pass and self._last is not None and previous is not None:
-            slopes = lists.buffers.get("slope")  # (kept slopes: zeros stand in for the new ones' d_{t-1})
-            sums.inner("grad_dot_last", grads, slopes if slopes is not None else
-                       [torch.zeros_like(g) if d is g else d for g, d in zip(grads, previous)])
-        vasso_norm = theta is not None and step.two_pass and previous is not None and lists.fuse_average_norm
-        if vasso_norm and not lists.low_precision:
-            sums.norm_of("slope", lambda d, g: P.moving_average(d, g, theta, in_place=False), previous, grads)
-        elif vasso_norm:
-            # fp16/bf16: d_t as rounded in its dtype (a float32 formula would agree only to their
-            # rounding), computed before the reduction so that its norm rides along, into the
-            # anchor buffers: they hold x_t only from after the slope buffers took d_t (g_t
-            # finite) until the restore
-            step.computed = self._slope_ahead(step, self._buffers(lists, "anchor", step.params, scratch=True))
-            sums.norm("slope", step.computed)
-        if self.adaptive and step.two_pass and layout.collective:
-            ts = P.adaptive_scales(step.params, lists.mask, self.eta)
-            if step.computed is not None or theta is None or previous is None:  # v_t is there already
-                v = step.computed if step.computed is not None else grads  # (SAM's, and VASSO's d_0 = g_0)
-                sums.norm_of("scaled_slope", _times, v, ts)
-            else:
-                sums.norm_of("scaled_slope", lambda d, g, t: _times(P.moving_average(d, g, theta, in_place=False), t),
-                             previous, grads, ts)
-        if step.exchange is not None:
-            values, step.exchange = D.exchange_sums(self._exchange, step.exchange, lists.params, sums, lists.plan,
-                                                    layout, lambda directions: self._directions(step, directions))
-            return values
-        if step.params or layout.collective:
-            return sums.read(sums.reduce(lists.plan, layout=layout))
-        return {"grad": 0.0}
-
-    def _slope_ahead(self, step: StepInFlight, into: List[torch.Tensor]) -> List[torch.Tensor]:
-        """VASSO's ``d_t`` computed into scratch buffers before the step's sums (its norm
-        rides along with them; under ``partition_group`` it is sent), from ``d_{t-1}``."""
-        _copy_(into, step.previous_slopes)
-        P.rule_(into, step.grads, self.theta, lambda: None)  # eq. (5a) alone: the ascent waits for the sums
-        return into
-
-    def _directions(self, step: StepInFlight, directions: List[torch.Tensor]) -> None:
-        """This rank's ascent directions, for the exchange: ``v_t`` (VASSO's ``d_t``
-        computed ahead; SAM's ``g_t`` and VASSO's ``d_0 = g_0`` copied), times ``T^2``
-        in adaptive geometry."""
-        if step.computed is not None:
-            _copy_(directions, step.computed)
-        elif self.theta is not None and step.previous_slopes is not None:
-            self._slope_ahead(step, directions)
-            if not self.adaptive:  # d_t itself: the slope buffers take it once g_t is known finite
-                step.computed = directions
-        else:
-            _copy_(directions, step.grads)
-        if self.adaptive:
-            P.adaptive_direction_(directions, step.params, step.lists.mask, self.eta)
-
-    def _previous_inner(self, step: StepInFlight, sums: Dict[str, float]):
-        """``<g_t, v_last>`` for the scalar stability, from the sums or (a changed set of
-        parameters with a gradient) from the kept slopes; None where not wanted."""
-        if not (self._scalar_stability() and step.two_pass and self._last is not None):
-            return None
-        if "grad_dot_last" in sums:
-            return sums["grad_dot_last"]
-        layout = step.lists.layout
-        counted = range(len(step.grads)) if layout.counted is None else layout.counted
-        kept = self._kept_slopes(step.lists)
-        pairs = [(step.grads[i], kept[i]) for i in counted if kept[i] is not None]
-        return reductions.dot([g for g, _ in pairs], [v for _, v in pairs], layout=layout.unfiltered())
-
-    def _rule(self, step: StepInFlight, sums: Dict[str, float]) -> None:
-        """The paper's rule (:func:`plugins.perturbation.rule_`, eqs. (5a)-(5b)) once ``g_t``
-        is known finite: ``||d_t||`` came with the first pass's sums where it could
-        (``sums["slope"]``); ``d_t`` is updated on the steps the coin skips too (Alg. 2)."""
-        if self.theta is None and not step.two_pass:
-            return  # SAM's slope keeps the last ascent's g_t
-        if step.loss_scale is not None and not step.two_pass:
-            g = scaling.unscale(step.grads, step.loss_scale, in_place=False)  # .grad stays as the scaler left it
-        else:
-            g = step.grads
-        slopes, targets, sources, theta, fresh = self._slope_targets(step, g)
-        ascend = functools.partial(self._ascend, step, slopes, sums) if step.two_pass else None
-        P.rule_(targets, sources, theta, lambda: self._slope_norm(step, slopes, sums, fresh), ascend)
-
-    def _slope_targets(self, step: StepInFlight, grads: List[torch.Tensor]):
-        """Where eq. (5a) writes: ``(slope buffers, the buffers written, what enters them,
-        theta, fresh)``.  SAM's ``g_t`` and a ``d_t`` computed ahead of the sums are copied
-        in (theta None); new buffers start at ``d_0 = g_0`` and only the kept ones (``fresh``,
-        their indices) are averaged; else every buffer takes ``d_t`` from ``d_{t-1}``."""
-        lists = step.lists
-        slopes = lists.buffers.get("slope")
-        if self.theta is None or step.computed is not None:
-            slopes = self._buffers(lists, "slope", grads) if slopes is None else slopes
-            return slopes, slopes, grads if self.theta is None else step.computed, None, None
-        if slopes is None:
-            new = {id(q) for q in lists.params if "slope" not in self._own_state.get(q, ())}
-            slopes = self._buffers(lists, "slope", grads)
-            fresh = [i for i, q in enumerate(lists.params) if id(q) not in new]
-            return slopes, [slopes[i] for i in fresh], [grads[i] for i in fresh], self.theta, fresh
-        return slopes, slopes, grads, self.theta, None
-
-    def _slope_norm(self, step: StepInFlight, slopes: List[torch.Tensor], sums: Dict[str, float], fresh) -> float:
-        """``||v_t||`` (NaN where no ascent is built): from the first pass's sums, or reduced now."""
-        if self.theta is None:
-            return sums["grad"]
-        if not step.two_pass:
-            return _NAN  # a skipped step needs no ||d_t||
-        if "slope" in sums:
-            return sums["slope"]
-        if fresh == []:  # every d_0 = g_0, copied exactly (in g's dtype): ||d_0|| = ||g_0||
-            return sums["grad"]
-        return float(reductions.global_norm(slopes, step.lists.plan, step.lists.layout))
-
-    def _ascend(self, step: StepInFlight, slopes: List[torch.Tensor], sums: Dict[str, float], d_t_norm) -> None:
-        """Eq. (5b) on the host path: ``x_t + eps_t`` in the step's geometry and layout."""
-        self._keep_for_descent(step, slopes)                   # x_t for an exact restore, g_t for GSAM
-        lists = step.lists
-        norm = sums.get("scaled_slope") if self.adaptive else d_t_norm  # ||d_t|| (ASAM: ||T d_t||)
-        step.eps, step.scale, tv_norm = P.ascend_(step.params, slopes, step.rho, norm, adaptive_mask=lists.mask,
-                                                  eta=self.eta, plan=lists.plan, layout=lists.layout)
-        step.slopes, step.slope_norm, step.at_ascent = slopes, d_t_norm, True
-        if self.adaptive and "scaled_slope" not in sums:
-            sums["scaled_slope"] = tv_norm                     # ||T v_t||, reduced by the ascent
-        P.moved_parameters()
-
-    def _keep_for_descent(self, step: StepInFlight, slopes: List[torch.Tensor]) -> None:
-        """What the second half needs of ``x_t``: ``g_t`` for GSAM's correction (SAM's slope
-        buffer holds it; V+G copies it, d_t does not keep it), and ``x_t`` itself where
-        the restore copies it back."""
-        lists = step.lists
-        if self.gsam_alpha > 0.0:
-            if self.theta is not None:
-                step.first_grads = self._buffers(lists, "first_grad", step.grads, scratch=True)
-                _copy_(step.first_grads, step.grads)
-            else:
-                step.first_grads = slopes
-        if self.exact_restore or self.adaptive or lists.low_precision:
-            step.anchors = self._buffers(lists, "anchor", step.params, scratch=True)
-            _copy_(step.anchors, step.params)
-
-    def _diagnose(self, step: StepInFlight, sums: Dict[str, float], inner_previous) -> None:
-        """The step's diagnostics (:mod:`plugins.diagnostics`): ``||eps_t||``, the estimated
-        sharpness ``rho ||v_t||`` (``rho ||T v_t||``) and the stability ``||eps_t - eps_{t-1}||``.
-        Where the sums cross ranks, their own sums (adaptive ``||eps_t||``, the buffered
-        stability's inner product) ride along with descend()'s reduction."""
-        rho, diag = step.rho, step.diagnostics
-        deferred = Deferred() if step.lists.layout.collective else None
-        ascent_norm, sharpness = diagnostics.of_ascent(step, rho, self.adaptive, sums.get("scaled_slope"), deferred)
-        diag.update(two_pass=1.0, ascent_norm=ascent_norm, sharpness=sharpness)
-        last = None
-        if self.track_stability:
-            kept = None if self._scalar_stability() else self._buffers(step.lists, "previous_ascent", step.grads,
-                                                                       zeros=True)
-            diag["stability"] = diagnostics.stability(step, self._last, ascent_norm, theta=self.theta,
-                                                      inner_previous=inner_previous, kept=kept, deferred=deferred)
-            self._last = last = self._record_ascent(step, ascent_norm)
-        if deferred:
-            step.deferred = (deferred, diag, last)
+        process, replicas or shards every rank counts, one device and dtype, no exchange."""
+        return (self._decide_on_device and step.lists.on_device and step.exchange is None
+                and (self.partition_group is None or self._model_gathers))
 
     def _exchange_leg(self, step: StepInFlight, sums: Dict[str, float]) -> None:
         """``partition_group``: move the other owners' parameters as they moved theirs,
@@ -742,12 +407,6 @@ class SharpnessAware(torch.optim.Optimizer):
         except BaseException:
             self.abandon()
             raise
-
-    def _kept_slopes(self, lists: StepLists) -> List[Optional[torch.Tensor]]:
-        """Each parameter's slope buffer (its local part), None where it has none yet: for a
-        step whose set of parameters with a gradient changed."""
-        own = self._own_state
-        return [D.local(own[q]["slope"]) if "slope" in own.get(q, ()) else None for q in lists.params]
 
     # -------------------------------------------------------------- the second half
 
@@ -778,7 +437,7 @@ class SharpnessAware(torch.optim.Optimizer):
         step = self._pending
         self.restore()
         if step is not None and step.fresh and not bool(step.finite):  # (one host read, on a first step only)
-            self._forget_slopes(step)
+            device_step.forget_slopes(step, self._own_state)
         self._pending = None
         self.in_second_pass = False
 
@@ -826,48 +485,25 @@ class SharpnessAware(torch.optim.Optimizer):
                 scaling.unscale(step.lists.local_grads(), grad_scale, in_place=True)
             self._base_step()
             return True
-        second, firsts, plan = self._second_grads(step)
+        second, firsts, plan = step.second_grads()
         if grad_scale is not None and second:
             scaling.unscale(second, grad_scale, in_place=True)
-        finite, sums = self._second_pass_sums(step, second, firsts, plan, found_inf)
+        finite, sums = host_step.second_pass_sums(step, second, firsts, plan, found_inf)
         if not finite:
             self._skip_nonfinite("second-pass", step.scaled)
             return False
         if "g_dot_h" in sums:  # GSAM: h_t - alpha g_t^perp
-            self._gsam_correct(step, second, firsts, sums["h"], sums["g_dot_h"])
+            step.gsam_correct(second, firsts, sums["h"], sums["g_dot_h"])
         self._base_step()
         return True
 
     def _descend_on_device(self, step: StepInFlight, grad_scale: Optional[torch.Tensor],
                            found_inf: Optional[torch.Tensor]) -> Optional[bool]:
-        """:meth:`descend`'s base step for a step decided on the device (parameters back at
-        ``x_t`` already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as torch's
-        ``found_inf`` (:func:`plugins.device_step.verdict_`); one host read where the base cannot
-        take it (then returns whether it stepped; None where the device decided).  Under a
-        scaler, ``found_inf`` is the scaler's verdict on ``.grad`` and ``grad_scale`` the scale
-        ``.grad`` still carries."""
-        zero, one, two = step.lists.constants()
-        layout = step.lists.layout
-        grads = [h for h in step.lists.local_grads(missing_ok=True) if h is not None]
-        gsam = step.kind is Kind.PERTURBED and self.gsam_alpha > 0.0 and step.rho > 0.0 and grads  # (rho 0: h == g)
-        verdict = device_step.verdict_(step.found_inf, found_inf, grads, grad_scale, one, zero,
-                                       check=step.kind is Kind.PERTURBED, layout=None if gsam else layout)
-        if gsam:
-            second, firsts, plan = self._second_grads(step)
-            sums = Sums().norm("h", second).inner("g_dot_h", firsts, second)
-            if layout.collective:  # the ranks' verdicts ride along with GSAM's sums: one all_reduce
-                h_norm, g_dot_h, verdict = sums.reduce(plan, layout=layout, extra={"verdict": verdict}).unbind(0)
-                verdict = torch.where(verdict > 0, one, zero)
-            else:
-                h_norm, g_dot_h = sums.reduce(plan).unbind(0)
-            self._gsam_correct(step, second, firsts, h_norm, g_dot_h)  # h_t - alpha g_t^perp
-        code = torch.where(step.finite, verdict, two)  # 0 taken, 1 h_t (or the scaler's), 2 g_t
-        read = ondevice.base_step(self.base_optimizer, verdict, code,  # the code, where the host had to read it
-                                  stepped_before=step.lists.base_stepped and not step.fresh)
-        step.lists.base_stepped = step.lists.base_stepped or read == 0
+        """:meth:`descend` for a step decided on the device (:func:`plugins.device_step.descend`):
+        whether the base stepped, where the host read the verdict; None where the device decided."""
+        code, read = device_step.descend(step, self.base_optimizer, grad_scale, found_inf)
         if step.fresh and read == 2:  # a non-finite g_0 leaves no slope: d_0 = g_0 at the next step
-            self._forget_slopes(step)
-        P.moved_parameters()
+            device_step.forget_slopes(step, self._own_state)
         if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
             self._verdicts.send(self._step - 1, code, step.scaled)
             return None
@@ -876,75 +512,6 @@ class SharpnessAware(torch.optim.Optimizer):
         else:
             step.diagnostics["nonfinite"] = 0.0  # read already: reading it costs nothing more
         return read == 0
-
-    def _forget_slopes(self, step: StepInFlight) -> None:
-        """Drop the slope buffers a step made on the device from a non-finite ``g_0`` (zeros:
-        the host path writes none), so that the next step starts them at ``d_0 = g_0``; the
-        kept ones move to the next flat buffer."""
-        lists = step.lists
-        for i in step.new_slopes:
-            self._own_state[lists.params[i]].pop("slope", None)
-        lists.buffers.pop("slope", None)
-        lists.flat_slope = None
-
-    def _gsam_correct(self, step: StepInFlight, second, firsts, h_norm, g_dot_h) -> None:
-        """GSAM's ``h_t - alpha g_t^perp`` on the gradients the second pass made, from the
-        reduced ``||h_t||`` and ``<g_t, h_t>`` (floats, or device tensors on the device path)."""
-        present = [i for i, h in enumerate(step.lists.local_grads(missing_ok=True)) if h is not None]
-        if len(present) < len(second):  # zeros stood in for the missing h: correct the others
-            second, firsts = [second[i] for i in present], [firsts[i] for i in present]
-        P.gsam_correct(second, firsts, self.gsam_alpha, h_norm=h_norm, g_dot_h=g_dot_h)
-
-    def _second_grads(self, step: StepInFlight):
-        """``h_t`` (this rank's parts), GSAM's ``g_t`` beside it and the reduction plan: a
-        parameter that got no gradient in the second pass counts for nothing."""
-        layout = step.lists.layout
-        second, firsts, plan = step.lists.local_grads(missing_ok=True), step.first_grads, step.lists.plan
-        if any(h is None for h in second):
-            if layout.counted is not None:  # keep the indices: zeros count for nothing
-                second = [torch.zeros_like(q) if h is None else h for q, h in zip(step.params, second)]
-            else:
-                keep = [i for i, h in enumerate(second) if h is not None]
-                second = [second[i] for i in keep]
-                firsts = None if firsts is None else [firsts[i] for i in keep]
-                plan = None
-        return second, firsts, plan
-
-    def _second_pass_sums(self, step: StepInFlight, second, firsts, plan, found_inf):
-        """One host sync: is ``h_t`` finite (the scaler's verdict when it has one, else
-        ``||h_t||``), with GSAM's ``||h_t||`` and ``<g_t, h_t>`` from the same read; where
-        the sums cross ranks, the one ``all_reduce`` carries the scaler's verdict and the
-        deferred diagnostics' sums too (the same on every rank)."""
-        layout = step.lists.layout
-        gsam = self.gsam_alpha > 0.0 and step.rho > 0.0 and (len(second) > 0 or layout.collective)  # rho 0: h == g
-        sums = Sums().norm("h", second)
-        if gsam:
-            sums.inner("g_dot_h", firsts, second)
-        if layout.collective:
-            extra = {}
-            if step.deferred:
-                extra["deferred"] = step.deferred[0].sums()
-            if found_inf is not None:
-                extra["found_inf"] = found_inf
-            values = sums.read(sums.reduce(plan, layout=layout, extra=extra))
-            finite = values["found_inf"] == 0.0 if found_inf is not None else math.isfinite(values["h"])
-            if step.deferred:
-                deferred, diag, previous = step.deferred
-                parts = values["deferred"]
-                deferred.finish(parts if isinstance(parts, list) else [parts], diag, previous)
-            return finite, values
-        if found_inf is not None:
-            verdict = found_inf.detach().reshape(1).double()
-            if gsam:
-                reduced = sums.reduce(plan)
-                verdict = torch.cat([verdict.to(reduced.device), reduced])
-            floats = verdict.tolist()
-            return floats[0] == 0.0, dict(zip(sums.names, floats[1:])) if gsam else {}
-        if second or layout.collective:
-            values = sums.read(sums.reduce(plan, layout=layout))
-        else:
-            values = {"h": 0.0}
-        return math.isfinite(values["h"]), values if gsam else {}
 
     def _base_step(self) -> None:
         self.base_optimizer.step()
@@ -1212,7 +779,6 @@ class SharpnessAware(torch.optim.Optimizer):
         self._scratch = defaultdict(dict)
         self._exchange = {}
 
-
     # ------------------------------------------------------------------ state (plugins/state.py)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -1252,10 +818,7 @@ class SharpnessAware(torch.optim.Optimizer):
         S.set_counters(self, counters)
 
     def _persistent_names(self) -> List[str]:
-        """The persistent buffers a parameter with a gradient holds once this configuration
-        has stepped: ``slope``, and ``previous_ascent`` where the stability needs it."""
-        scalar_stability = not self.adaptive and (self.theta is None or self.p >= 1.0)
-        return ["slope"] + (["previous_ascent"] if self.track_stability and not scalar_stability else [])
+        return self.knobs.persistent_buffers()
 
     def _all_params(self) -> List[torch.Tensor]:
         return [q for g in self.param_groups for q in g["params"]]
@@ -1275,17 +838,8 @@ SharpnessAware._KEYWORDS = frozenset(inspect.signature(SharpnessAware.__init__).
     "self", "params", "rho", "base_kwargs"}
 
 
-def _copy_(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
-    """``torch._foreach_copy_`` for lists that may be empty: under ``partition_group`` a
-    rank whose parameters have no gradient yet (frozen, or not in the forward) takes part
-    in the step's collectives with nothing of its own."""
-    if destinations:
-        torch._foreach_copy_(destinations, sources)
 
 
-def _times(vs: List[torch.Tensor], ts: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``T v`` tensor by tensor, for the norm ``||T v_t||`` taken before the ascent."""
-    return [v * t.to(v.dtype) for v, t in zip(vs, ts)]
 
 
 def _unexpected_step_arguments(cls: str, unexpected: Dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import distributed as D, ondevice, perturbation
+from . import perturbation
 from .diagnostics import as_float
 
 __all__ = ["PERSISTENT", "counters_dict", "split_entry", "MergedState", "state_dict", "load_state_dict",
@@ -46,7 +46,7 @@ _EXPECTED = ("a state dict of SharpnessAware.state_dict(): the keys 'state' (per
 def counters_dict(step, seed, nonfinite_steps, last) -> Dict[str, Any]:
     """The wrapper's scalars as plain numbers (NaN norms: no ascent yet), the value of
     ``sam_counters``: ints and floats only, which every checkpoint tool keeps.  ``last``: the
-    optimizer's record of its last ascent (:meth:`~plugins.SharpnessAware._last_ascent`, read
+    optimizer's record of its last ascent (``SharpnessAware._last``, read
     here) or a state dict's ``previous`` entry; None before the first ascent."""
     if torch.is_tensor(last):
         values = last.tolist()
@@ -383,45 +383,9 @@ def set_counters(opt, counters: Dict[str, Any]) -> None:
 
 
 def last_ascent(values, adaptive: bool) -> Optional[torch.Tensor]:
-    """The optimizer's record of its last ascent (:meth:`~plugins.SharpnessAware._last_ascent`)
+    """The optimizer's record of its last ascent (``SharpnessAware._last``)
     from the saved ``[rho, ||v||, ||eps||]``: None where ``rho`` is NaN (no ascent yet)."""
     values = [as_float(v) for v in values]
     if math.isnan(values[0]):
         return None
     return torch.tensor(values if adaptive else values[:2], dtype=torch.float64)
-
-
-#: the StepLists attribute of each buffer kept flat on the device path
-_FLAT_ATTRIBUTES = {"slope": "flat_slope", "previous_ascent": "flat_previous_ascent"}
-
-
-def flat_buffer(opt, lists, key: str) -> "ondevice.Flat":
-    """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
-    selection or an inner product over all of them is one kernel: made once per set of
-    parameters, for the steps decided on the device (:mod:`plugins.device_step`), from the
-    buffers earlier steps wrote, and zeros where a parameter has none yet."""
-    attribute = _FLAT_ATTRIBUTES[key]
-    if getattr(lists, attribute) is None:
-        own = opt._own_state
-        kept = [own[q].get(key) if q in own else None for q in lists.params]
-        locals_ = lists.local_params()
-        flat = ondevice.Flat(locals_)
-        if any(v is None for v in kept):
-            flat.flat.zero_()
-        pairs = [(view, D.local(v)) for view, v in zip(flat.views, kept) if v is not None]
-        if pairs:
-            torch._foreach_copy_([view for view, _ in pairs], [v for _, v in pairs])
-        for q, v in zip(lists.params, flat.views):
-            own[q][key] = D.like(q, v)  # a DTensor parameter's state is a DTensor sharded as it is
-        # a parameter left out of this set (no gradient now: a dropped layer, a frozen one) keeps
-        # its buffer of its own: as a view it would keep an earlier flat buffer alive
-        present = set(map(id, lists.params))
-        for q, buffers in own.items():
-            s = buffers.get(key)
-            if id(q) not in present and torch.is_tensor(s) and D.local(s)._base is not None:
-                buffers[key] = D.like(q, D.local(s).clone(memory_format=torch.preserve_format))
-        lists.buffers[key] = flat.views
-        setattr(lists, attribute, flat)
-        if lists.storage_params is None:
-            lists.storage_params = ondevice.storage_views(locals_)
-    return getattr(lists, attribute)
