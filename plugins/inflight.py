@@ -10,6 +10,7 @@ once per set of such parameters.  Torch only.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -201,6 +202,27 @@ class StepLists:
         # their storage, so a parameter whose .data is replaced (module.to(memory_format=...)) must
         # not find these lists again (checked by the optimizer's cache)
         self.pointers = self.data_pointers() if self.on_device else None
+
+    @classmethod
+    def of(cls, groups, cached: Optional["StepLists"], partition_group, model_gathers: bool,
+           adaptive: bool) -> "StepLists":
+        """The lists of the parameters in ``groups`` that have a gradient: ``cached`` while that
+        set is unchanged (one list comprehension per step on a hit) and, for the device path,
+        while their data stay where they were (:attr:`pointers`)."""
+        params = [q for group in groups for q in group["params"] if q.grad is not None]
+        if cached is not None and len(cached.params) == len(params) and all(
+                map(operator.is_, cached.params, params)) and (
+                cached.pointers is None or cached.pointers == cached.data_pointers()):
+            return cached
+        names: List[Optional[str]] = []
+        for group in groups:
+            group_names = group.get("param_names")
+            for i, q in enumerate(group["params"]):
+                if q.grad is not None:
+                    if q.grad.is_sparse:
+                        raise RuntimeError("sharpness-aware optimizers do not support sparse gradients")
+                    names.append(group_names[i] if group_names is not None else None)
+        return cls(params, names, adaptive, D.Layout(params, partition_group, model_gathers=model_gathers))
 
     def data_pointers(self) -> List[int]:
         """Where the parameters' local parts lie now (compared with :attr:`pointers`)."""

@@ -15,7 +15,6 @@ import contextlib
 import functools
 import inspect
 import math
-import operator
 import warnings
 from collections import defaultdict
 from typing import Any, Dict, Iterator, List, Optional
@@ -110,17 +109,11 @@ class SharpnessAware(torch.optim.Optimizer):
         params = normalize_param_groups(params)
         rho = check("rho", rho)
         self.theta = None if theta is None else check("theta", theta)
-        self.adaptive = check("adaptive", adaptive)
-        self.eta = check("eta", eta)
-        self.gsam_alpha = check("gsam_alpha", gsam_alpha)
-        self.p = check("p", p)
-        self.seed = check("seed", seed)
-        self.rho_min = check("rho_min", rho_min)
+        for name, value in dict(adaptive=adaptive, eta=eta, gsam_alpha=gsam_alpha, p=p, seed=seed, rho_min=rho_min,
+                                lr_min=lr_min, track_stability=track_stability, exact_restore=exact_restore).items():
+            setattr(self, name, check(name, value))
         if self.rho_min is not None:
             check("rho_min", self.rho_min, within=Range(0.0, rho, "[]"))
-        self.lr_min = check("lr_min", lr_min)
-        self.track_stability = check("track_stability", track_stability)
-        self.exact_restore = check("exact_restore", exact_restore)
         # PartitionGroup(group, model_gathers=True): flat shards that the model all-gathers itself
         self._model_gathers = isinstance(partition_group, D.PartitionGroup) and partition_group.model_gathers
         self.partition_group = check("partition_group", partition_group)
@@ -135,21 +128,7 @@ class SharpnessAware(torch.optim.Optimizer):
                              "longer tells them apart; use plain geometry (adaptive=False) there")
 
         super().__init__(params, defaults={"rho": rho})
-        if isinstance(base_optimizer, torch.optim.Optimizer):
-            if base_kwargs:
-                raise ValueError(f"base_optimizer is already built: unexpected keyword arguments {sorted(base_kwargs)}")
-            mine = {id(q) for g in self.param_groups for q in g["params"]}
-            theirs = {id(q) for g in base_optimizer.param_groups for q in g["params"]}
-            if mine != theirs:
-                raise ValueError("base_optimizer must optimize exactly the parameters given to this optimizer "
-                                 f"({len(mine)} given, base has {len(theirs)}, {len(mine & theirs)} in common)")
-            self.base_optimizer = base_optimizer
-            for group in base_optimizer.param_groups:
-                group.setdefault("rho", rho)
-        elif isinstance(base_optimizer, type) and issubclass(base_optimizer, torch.optim.Optimizer):
-            self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
-        else:
-            raise ValueError(f"base_optimizer must be a torch.optim.Optimizer subclass or instance, got {base_optimizer!r}")
+        self.base_optimizer = _built_base(base_optimizer, self.param_groups, rho, base_kwargs)
         # One list of groups for both objects: a scheduler on either drives the lr (and rho) used.
         self.param_groups = self.base_optimizer.param_groups
         self.base_optimizer.defaults.setdefault("rho", rho)  # groups added later get it too
@@ -170,14 +149,12 @@ class SharpnessAware(torch.optim.Optimizer):
         # [rho, ||v||] (plain geometry), [rho, ||v||, ||eps||] (adaptive), float64
         self._last: Optional[torch.Tensor] = None
         self._verdicts = ondevice.Verdicts()  # steps decided on the device, on their way to the host
-        self._scratch: Dict[torch.Tensor, Dict[str, torch.Tensor]] = defaultdict(dict)
         self._pending: Optional[StepInFlight] = None  # the step between perturb() and descend()
-        self._lists: Optional[StepLists] = None
-        # This wrapper's per-parameter buffers ("slope", "previous_ascent").  ``opt.state`` shows
-        # them merged with the base optimizer's state, in torch's shape (:class:`plugins.state.MergedState`).
+        # This wrapper's per-parameter buffers ("slope", "previous_ascent"), and its per-step scratch
+        # (``_scratch``: "anchor", "first_grad").  ``opt.state`` shows them merged with the base
+        # optimizer's state, in torch's shape (:class:`plugins.state.MergedState`).
         self._own_state: Dict[torch.Tensor, Dict[str, Any]] = defaultdict(dict)
-        self.state = S.MergedState(self)
-        self._exchange: Dict[str, Any] = {}  # partition_group: the AscentExchange of the model
+        S.reset_caches(self)  # opt.state, _scratch, the step's lists, the exchange (partition_group)
         self._split_checked = False  # Layout.check_split, on the first step
         if self.partition_group is not None and any(D.is_dtensor(q) for q in self._all_params()):
             raise ValueError(D.DTENSOR_PARTITION)
@@ -237,26 +214,9 @@ class SharpnessAware(torch.optim.Optimizer):
     # ------------------------------------------------------------------ per-step lists
 
     def _step_lists(self) -> StepLists:
-        """The parameters with a gradient and what the step needs about them, cached
-        while that set is unchanged (one list comprehension per step on a hit) and, for
-        the device path, while their data stay where they were (``StepLists.pointers``)."""
-        params = [q for group in self.param_groups for q in group["params"] if q.grad is not None]
-        cached = self._lists
-        if cached is not None and len(cached.params) == len(params) and all(
-                map(operator.is_, cached.params, params)) and (
-                cached.pointers is None or cached.pointers == cached.data_pointers()):
-            return cached
-        names: List[Optional[str]] = []
-        for group in self.param_groups:
-            group_names = group.get("param_names")
-            for i, q in enumerate(group["params"]):
-                if q.grad is not None:
-                    if q.grad.is_sparse:
-                        raise RuntimeError("sharpness-aware optimizers do not support sparse gradients")
-                    names.append(group_names[i] if group_names is not None else None)
-        layout = D.Layout(params, self.partition_group, model_gathers=self._model_gathers)
-        self._lists = lists = StepLists(params, names, self.adaptive, layout)
-        return lists
+        self._lists = StepLists.of(self.param_groups, self._lists, self.partition_group, self._model_gathers,
+                                   self.adaptive)
+        return self._lists
 
     def _skip_nonfinite(self, which: str, scaled: bool, step: Optional[int] = None) -> None:
         """Count a step skipped for a non-finite gradient; warn unless a loss scaler is
@@ -741,45 +701,17 @@ class SharpnessAware(torch.optim.Optimizer):
         self._record_loss_gap(loss)
         return self._descend(grad_scale, found_inf)
 
-    # ------------------------------------------------------------------ copy and pickle
-
-    # What a copy leaves out, as torch.optim.Optimizer.__getstate__ does (it keeps defaults,
-    # state and param_groups only): the hooks, an LR scheduler's step() wrapper and its flags
-    # (a scheduler stays bound to the original); and the step's caches, rebuilt empty.
-    _NOT_COPIED = frozenset({"state", "_lists", "_scratch", "_exchange", "step", "_opt_called", "_step_count"})
+    # ------------------------------------------------------------------ copy, pickle and state
 
     def __getstate__(self) -> Dict[str, Any]:
-        """``copy.deepcopy`` and ``pickle`` give an independent optimizer that steps as this
-        one does, as for torch's optimizers; copy or pickle it together with its model
-        (``copy.deepcopy((model, opt))``) so that the copy optimizes the copied parameters.
-        Refused in the middle of a step, and with ``partition_group`` (a process group
-        cannot be copied): save :meth:`state_dict` there instead."""
-        if self._pending is not None:
-            raise RuntimeError(f"cannot copy or pickle a {type(self).__name__} in the middle of a step: call "
-                               "descend() or abandon() first")
-        if self.partition_group is not None:
-            raise TypeError(f"cannot copy or pickle a {type(self).__name__} built with partition_group (a process "
-                            "group cannot be copied): save its state_dict() and load it into an optimizer built "
-                            "on the live group")
-        self.diagnostics.wait()
-        self._count_arrived(wait=True)  # no verdict left on its way (CUDA events do not copy)
-        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED and not k.startswith("_optimizer_")}
+        """``copy.deepcopy`` and ``pickle`` give an independent optimizer, as torch's do; copy it
+        with its model (``copy.deepcopy((model, opt))``).  Refused mid-step and with
+        ``partition_group`` (:func:`plugins.state.getstate`)."""
+        return S.getstate(self)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        for old in ("_previous", "_previous_host"):  # the last ascent as a dict of floats, before the tensor
-            previous = state.pop(old, None)
-            if previous and state.get("_last") is None:
-                state["_last"] = S.last_ascent([previous[k] for k in ("rho", "slope_norm", "ascent_norm")],
-                                               state["adaptive"])
-        state.setdefault("_last", None)
-        state.setdefault("_verdicts", ondevice.Verdicts())
-        super().__setstate__(state)  # torch's: empty hooks, its step() profiling wrapper
-        self.state = S.MergedState(self)
-        self._lists = None
-        self._scratch = defaultdict(dict)
-        self._exchange = {}
-
-    # ------------------------------------------------------------------ state (plugins/state.py)
+        super().__setstate__(S.upgrade(state))  # torch's: empty hooks, its step() profiling wrapper
+        S.reset_caches(self)
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state dict: ``{"state": {index: {...}}, "param_groups": [...]}``.
@@ -840,6 +772,25 @@ SharpnessAware._KEYWORDS = frozenset(inspect.signature(SharpnessAware.__init__).
 
 
 
+
+
+def _built_base(base_optimizer, groups: List[Dict[str, Any]], rho: float, base_kwargs: Dict[str, Any]):
+    """The base optimizer over ``groups``: built from its class with ``base_kwargs``, or one
+    already built, checked to hold exactly these parameters (its groups then get ``rho``)."""
+    if isinstance(base_optimizer, torch.optim.Optimizer):
+        if base_kwargs:
+            raise ValueError(f"base_optimizer is already built: unexpected keyword arguments {sorted(base_kwargs)}")
+        mine = {id(q) for g in groups for q in g["params"]}
+        theirs = {id(q) for g in base_optimizer.param_groups for q in g["params"]}
+        if mine != theirs:
+            raise ValueError("base_optimizer must optimize exactly the parameters given to this optimizer "
+                             f"({len(mine)} given, base has {len(theirs)}, {len(mine & theirs)} in common)")
+        for group in base_optimizer.param_groups:
+            group.setdefault("rho", rho)
+        return base_optimizer
+    if isinstance(base_optimizer, type) and issubclass(base_optimizer, torch.optim.Optimizer):
+        return base_optimizer(groups, **base_kwargs)
+    raise ValueError(f"base_optimizer must be a torch.optim.Optimizer subclass or instance, got {base_optimizer!r}")
 
 
 def _unexpected_step_arguments(cls: str, unexpected: Dict[str, Any]) -> str:

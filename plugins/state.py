@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import perturbation
+from . import ondevice, perturbation
 from .diagnostics import as_float
 
 __all__ = ["PERSISTENT", "counters_dict", "split_entry", "MergedState", "state_dict", "load_state_dict",
@@ -389,3 +389,46 @@ def last_ascent(values, adaptive: bool) -> Optional[torch.Tensor]:
     if math.isnan(values[0]):
         return None
     return torch.tensor(values if adaptive else values[:2], dtype=torch.float64)
+
+
+# What a copy leaves out, as torch.optim.Optimizer.__getstate__ does (it keeps defaults,
+# state and param_groups only): the hooks, an LR scheduler's step() wrapper and its flags
+# (a scheduler stays bound to the original); and the step's caches, rebuilt empty.
+_NOT_COPIED = frozenset({"state", "_lists", "_scratch", "_exchange", "step", "_opt_called", "_step_count"})
+
+
+def getstate(opt) -> Dict[str, Any]:
+    """What ``copy.deepcopy`` and ``pickle`` keep of ``opt``: an independent optimizer that
+    steps as this one does.  Refused in the middle of a step, and with ``partition_group`` (a
+    process group cannot be copied): save ``state_dict()`` there instead."""
+    name = type(opt).__name__
+    if opt._pending is not None:
+        raise RuntimeError(f"cannot copy or pickle a {name} in the middle of a step: call descend() or abandon() "
+                           "first")
+    if opt.partition_group is not None:
+        raise TypeError(f"cannot copy or pickle a {name} built with partition_group (a process group cannot be "
+                        "copied): save its state_dict() and load it into an optimizer built on the live group")
+    opt.diagnostics.wait()
+    opt._count_arrived(wait=True)  # no verdict left on its way (CUDA events do not copy)
+    return {k: v for k, v in opt.__dict__.items() if k not in _NOT_COPIED and not k.startswith("_optimizer_")}
+
+
+def upgrade(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A pickled optimizer's ``__dict__`` in today's form: the last ascent, once a dict of
+    floats, as the tensor ``_last``."""
+    for old in ("_previous", "_previous_host"):
+        previous = state.pop(old, None)
+        if previous and state.get("_last") is None:
+            state["_last"] = last_ascent([previous[k] for k in ("rho", "slope_norm", "ascent_norm")],
+                                         state["adaptive"])
+    state.setdefault("_last", None)
+    state.setdefault("_verdicts", ondevice.Verdicts())
+    return state
+
+
+def reset_caches(opt) -> None:
+    """The merged state view and the step's caches, rebuilt empty (after a copy or a load)."""
+    opt.state = MergedState(opt)
+    opt._lists = None
+    opt._scratch = defaultdict(dict)
+    opt._exchange = {}
