@@ -27,7 +27,7 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    (``nudged_train.py`` beside this file). Every fairseq process runs on ``--threads``
    torch threads (1), whatever the number of cores, with the CPU kernels pinned
    (``plugins.lab.pinned_kernels``), so the same command gives the same numbers on any
-   x86-64 machine with AVX2 and the same torch build;
+   AMD x86-64 machine with AVX2 and the same torch build;
 4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s own loop (``fairseq_vasso.nmt.bleu.score``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
@@ -130,7 +130,7 @@ def child_env(threads, env=None, cpu=False):
     """The environment of every process the demo starts (fairseq-train, fairseq-generate):
     ``threads`` torch threads, whatever the number of cores (torch splits its sums by
     thread, so the count decides the rounding), the CPU kernels pinned where they can be
-    (plugins.lab.pinned_kernels: the same numbers on every x86-64 CPU with AVX2), and
+    (plugins.lab.pinned_kernels: the same numbers on every AMD x86-64 CPU with AVX2), and
     quiet_children_env's filters; with ``cpu`` (``--cpu``), no GPU visible
     (recipe.cpu_only_env: stock fairseq's ``--cpu`` still takes its gradient norm through a
     visible GPU)."""

@@ -1153,8 +1153,9 @@ def test_an_interrupted_docs_suite_stops_at_once_and_leaves_the_checkout_as_it_w
 def test_quick_start_bleu_is_the_documented_one(workspace):
     # docs/fairseq.md states the quick start's test BLEU with the CPU kernels pinned by the line it
     # gives: the quick start as documented after that line gives exactly those numbers, or the doc is
-    # stale. Where the kernels cannot be pinned (another architecture, a CPU without AVX2) the digits
-    # may differ, and the test checks what the doc says of them: the pipeline learns (BLEU above 50)
+    # stale. Where the kernels cannot be pinned (another architecture, a CPU without AVX2) or the CPU
+    # is not of the vendor the numbers were measured on (pinned_kernels.unmeasured), the digits may
+    # differ, and the test checks what the doc says of them: the pipeline learns (BLEU above 50)
     text = _doc_text("docs/fairseq.md")
     stated = re.search(r"the test BLEU was (\d+\.\d\d) \(fairseq\) and (\d+\.\d\d) \(sacreBLEU\)", text)
     assert stated, "docs/fairseq.md no longer states the quick start's test BLEU in the form this test reads"
@@ -1171,7 +1172,8 @@ def test_quick_start_bleu_is_the_documented_one(workspace):
     assert got, out[-3000:]
     import torch
 
-    if QUICK_PIN and torch.__version__.split("+")[0] == stated_torch.group(1):
+    exact = pinned_kernels.unmeasured() is None and torch.__version__.split("+")[0] == stated_torch.group(1)
+    if QUICK_PIN and exact:
         assert got.groups() == stated.groups(), (
             f"with the CPU kernels pinned, the quick start gives test BLEU {got.group(1)} (fairseq) and "
             f"{got.group(2)} (sacreBLEU), docs/fairseq.md says {stated.group(1)} and {stated.group(2)}: "
@@ -1181,7 +1183,7 @@ def test_quick_start_bleu_is_the_documented_one(workspace):
             f"the quick start gives test BLEU {got.group(1)} (fairseq) and {got.group(2)} (sacreBLEU): the "
             "pipeline did not learn (the doc's exact numbers are for torch %s with the CPU kernels pinned; this is "
             "torch %s, %s)" % (stated_torch.group(1), torch.__version__,
-                               pinned_kernels.unavailable() or "the kernels pinned"))
+                               pinned_kernels.unmeasured() or "the kernels pinned"))
     # vasso-bleu's fairseq-generate (its log beside the checkpoint) gets the plugin's filter of the
     # FutureWarnings that importing fairseq prints
     logs = glob.glob(os.path.join(workspace, "runs", "quickstart", "vasso", "seed1", "generate-test*", "generate.log"))
@@ -1225,14 +1227,14 @@ def _quick_start_updates(workspace, name, exports):
 
 def test_pinned_kernels_decide_the_quick_starts_numbers(workspace, capsys):
     # the pin itself, on the quick start's model: a few updates pinned give the pinned weights bit for
-    # bit on any x86-64 CPU with AVX2, and beside them a run on other kernels: this CPU's own where it
+    # bit on the CPUs of the vendor they were measured on, and beside them a run on other kernels: this CPU's own where it
     # has more than AVX2 (AVX512: pinning changes the numbers, or changes nothing here), else torch's
     # DEFAULT kernels (lower than the pin: they must differ, or ATEN_CPU_CAPABILITY did not reach torch)
     import torch
 
-    why = pinned_kernels.unavailable()
+    why = pinned_kernels.unmeasured()
     if why is not None:
-        pytest.skip(f"the CPU kernels cannot be pinned here: {why}")
+        pytest.skip(f"the pinned weights do not apply here: {why}")
     if torch.__version__.split("+")[0] != QUICK_PIN_TORCH:
         pytest.skip(f"the pinned weights are torch {QUICK_PIN_TORCH}'s; this is torch {torch.__version__}")
     prep = next(c for c in DOCUMENTED if c.key == QUICK_PREPROCESS)

@@ -7,7 +7,7 @@ for cell.
 
 The demo is deterministic for a given torch build: every run on a fixed number of threads
 (the same numbers on 2 cores or 64), with the CPU kernels pinned (plugins.lab.pinned_kernels:
-the same numbers on every x86-64 CPU with AVX2, AVX512 ones included). The report's
+the same numbers on the x86-64 CPUs of the vendor they were measured on, AVX2 or AVX512). The report's
 environment line names the commit, the torch and the CPU kernels its table was measured
 with; with another torch, or where the kernels cannot be pinned (another architecture, a CPU
 without AVX2), the test skips, saying so, since the kernels may round otherwise. A change
@@ -63,7 +63,7 @@ def test_the_readme_states_where_its_demo_table_was_measured():
     commit, torch_version, cpu, per_seed, control = report_demo()
     assert len(per_seed.split(", ")) == 3 and len(control) == 5
     assert torch_version.startswith("2.")
-    # measured with the kernels pinned, so that every x86-64 CPU with AVX2 checks it
+    # measured with the kernels pinned, so that every CPU of its vendor checks it
     assert cpu == f"{pinned_kernels.CAPABILITY} (pinned)", cpu
 
 
@@ -85,9 +85,9 @@ def test_a_demo_subset_gives_the_readme_numbers_exactly(script, tmp_path):
     if torch.__version__.split("+")[0] != torch_version.split("+")[0]:
         pytest.skip(f"the demo's report was measured with torch {torch_version}; this is torch "
                     f"{torch.__version__}, whose kernels may round otherwise")
-    why = pinned_kernels.unavailable()
+    why = pinned_kernels.unmeasured()
     if why is not None:
-        pytest.skip(f"the demo's report was measured with the CPU kernels pinned ({cpu}), which cannot "
+        pytest.skip(f"the demo's report was measured with the CPU kernels pinned ({cpu}), and does not "
                     f"apply here: {why}")
     out = tmp_path / "demo"
     # --cpu: the table was measured on a CPU, and on a GPU host the demo would train there
