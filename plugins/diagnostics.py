@@ -238,3 +238,14 @@ def stability(step, last: Optional[torch.Tensor], ascent_norm, *, theta: Optiona
         torch._foreach_copy_(kept, step.slopes)
         torch._foreach_mul_(kept, scale)
     return value
+
+
+def record_loss_gap(diag: "Diagnostics", first, second, partition_group, device) -> None:
+    """``diag["loss_gap"]``: in one process, from tensor losses, computed only when read; on
+    several ranks the mean of the ranks' gaps, over ``partition_group`` or the default group
+    (:func:`mean_over_ranks`)."""
+    if torch.is_tensor(first) and torch.is_tensor(second) and D.ranks(partition_group) == 1:
+        first, second = first.detach(), second.detach()
+        diag.later(("loss_gap",), lambda: loss_gap(first, second).reshape(1))
+        return
+    mean_over_ranks(diag, "loss_gap", loss_gap(first, second), partition_group, device)

@@ -454,6 +454,20 @@ def exchange_for(cache: Dict[str, Any], model: torch.nn.Module, owned: List[torc
     return cache["exchange"]
 
 
+def partition_roles(given, partition_group, adaptive: bool) -> Tuple[bool, bool, bool]:
+    """What ``partition_group`` (``given``: as the user gave it) asks of a step: ``(model_gathers, partitioned, exchanges)``: flat
+    shards the model all-gathers itself (:class:`PartitionGroup`'s ``model_gathers``); split over
+    several ranks (a group of one rank: this rank's parameters are its own); and the second pass
+    sends each owner's parameters at ``x + eps`` to the other ranks."""
+    gathers = isinstance(given, PartitionGroup) and given.model_gathers
+    if gathers and adaptive:
+        raise ValueError("adaptive=True with PartitionGroup(model_gathers=True): adaptive geometry scales "
+                         "weight tensors and leaves biases alone, and a slice of a flat parameter vector no "
+                         "longer tells them apart; use plain geometry (adaptive=False) there")
+    partitioned = partition_group is not None and torch.distributed.get_world_size(partition_group) > 1
+    return gathers, partitioned, partitioned and not gathers
+
+
 # ---------------------------------------------------------------------- the exchange leg of a step
 
 

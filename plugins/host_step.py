@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,12 +21,64 @@ from . import diagnostics, reductions, scaling
 from . import distributed as D
 from . import perturbation as P
 from .diagnostics import Deferred
-from .inflight import StepInFlight, Store, copy_
+from .inflight import Kind, StepInFlight, Store, copy_
 from .reductions import Sums
 
-__all__ = ["first_pass_sums", "previous_inner", "rule", "diagnose", "second_pass_sums"]
+__all__ = ["perturb", "move_others", "descend", "first_pass_sums", "previous_inner", "rule", "diagnose", "second_pass_sums"]
 
 _NAN = float("nan")
+
+
+def perturb(step: StepInFlight, last: Optional[torch.Tensor], own: Store, scratch: Store,
+            exchange_cache: Dict[str, Any]) -> Tuple[Optional[torch.Tensor], Dict[str, float]]:
+    """``perturb()`` decided by one host read: the step's sums, then, where ``g_t`` is finite,
+    the paper's rule and the diagnostics.  Sets ``step.kind``; returns the last applied ascent
+    to keep (``last``: the one before) and the sums (the exchange's norm comes with them)."""
+    # d_{t-1}; where the sums cross ranks, a step whose set of parameters with a gradient changed
+    # (no slope list yet) takes each one's kept slope, and d_0 = g_0 for the new ones, so that its
+    # sums ride along too, as every step's
+    step.previous_slopes = step.lists.buffers.get("slope")
+    if step.previous_slopes is None and step.two_pass and step.lists.layout.collective:
+        step.previous_slopes = [g if d is None else d for g, d in zip(step.grads, step.lists.kept_slopes(own))]
+    sums = first_pass_sums(step, last is not None, scratch, exchange_cache)
+    if not math.isfinite(sums["grad"]):  # nothing has moved, d_{t-1} kept
+        step.kind = Kind.NONFINITE
+        return last, sums
+    inner = previous_inner(step, last is not None, sums, own)  # before d_t is written
+    rule(step, sums, own, scratch)  # eqs. (5a)-(5b): d_t, and x_t + eps_t
+    if not step.two_pass:  # the coin skipped: the base will step with g_t
+        step.kind = Kind.FIRST_GRADIENT
+        return last, sums
+    step.kind = Kind.PERTURBED
+    last = diagnose(step, sums, inner, last, own)
+    step.grads = None  # g_t lives on in the buffers: not held through the second pass
+    return last, sums
+
+
+def move_others(step: StepInFlight, sums: Dict[str, float]) -> None:
+    """``partition_group``: move the other owners' parameters as they moved theirs, from the
+    directions that came with the step's sums."""
+    adaptive = step.knobs.adaptive
+    norm = sums["scaled_slope"] if adaptive else step.slope_norm
+    D.move_others(step.exchange, lambda others, directions: P.ascend_along_(
+        others, directions, step.rho, norm, adaptive=adaptive))
+
+
+def descend(step: StepInFlight, grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> bool:
+    """``descend()``'s decision by one host read, for a step whose ``g_t`` was finite: whether
+    the base may step, ``.grad`` then unscaled (``grad_scale``: the scale it still carries) and,
+    after a second pass, GSAM-corrected.  ``found_inf``: a scaler's verdict on ``.grad``."""
+    if step.kind is Kind.FIRST_GRADIENT:  # g_t, found finite by perturb(): nothing to decide again
+        if grad_scale is not None:
+            scaling.unscale(step.lists.local_grads(), grad_scale, in_place=True)
+        return True
+    second, firsts, plan = step.second_grads()
+    if grad_scale is not None and second:
+        scaling.unscale(second, grad_scale, in_place=True)
+    finite, sums = second_pass_sums(step, second, firsts, plan, found_inf)
+    if finite and "g_dot_h" in sums:  # GSAM: h_t - alpha g_t^perp
+        step.gsam_correct(second, firsts, sums["h"], sums["g_dot_h"])
+    return finite
 
 
 def first_pass_sums(step: StepInFlight, has_last: bool, scratch: Store, exchange_cache: Dict[str, Any]

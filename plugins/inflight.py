@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import distributed as D
+from . import ondevice
 from . import perturbation as P
 from .diagnostics import Deferred, Diagnostics
-from .ondevice import dense
 from .reductions import FLAT_BELOW, chunk_plan
 
 __all__ = ["Knobs", "Kind", "StepInFlight", "StepLists"]
@@ -116,6 +116,37 @@ class StepInFlight:
         non-finite ``g_0`` leaves none behind."""
         return bool(self.new_slopes)
 
+    def restore(self) -> None:
+        """Put the parameters back at ``x_t``; a no-op unless they sit at ``x_t + eps_t``."""
+        if self.kind is not Kind.PERTURBED or not self.at_ascent:
+            return
+        flat = self.lists.flat_slope
+        if self.finite is not None and self.anchors is None and ondevice.flat_scratch_is_cheap(flat.flat):
+            # decided on the device: the ascent's product again as perturb() made it, one kernel over
+            # the flat slope, taken back through the parameters' storage-order views by the same
+            # subtraction as per tensor (bit for bit that restore)
+            with flat.scratch() as (product, pieces):
+                torch.mul(flat.flat, self.scale, out=product)
+                P.descend_from_ascent_(self.lists.storage_params, pieces, self.rho)
+        else:  # per tensor (on the CPU one flat product would be a block glibc maps anew every step)
+            P.descend_from_ascent_(self.params, self.slopes, self.scale, self.anchors,
+                                   rho=self.rho if torch.is_tensor(self.scale) else 1.0)
+        if self.exchange is not None:  # partition_group: the other owners' parameters too
+            self.exchange.restore()
+        self.at_ascent = False
+        P.moved_parameters()
+
+    def join(self, exchange: D.AscentExchange) -> None:
+        """``partition_group``: the second pass runs with ``exchange``, the model's, which holds
+        the other owners' parameters at ``x + eps`` (shared now where perturb() did not move
+        them for this model)."""
+        if self.exchange is not exchange:
+            if self.exchange is not None:
+                self.exchange.restore()
+            self.exchange = exchange
+            exchange.share()
+        self.second_pass = True
+
     def keep_for_descent(self, slopes: List[torch.Tensor], scratch: Store) -> None:
         """What the second half needs of ``x_t``: ``g_t`` for GSAM's correction (SAM's slope
         buffer holds it; V+G copies it, d_t does not keep it), and ``x_t`` itself where the
@@ -197,7 +228,7 @@ class StepLists:
         split = ((layout.sharded and layout.every_rank_counts) or (layout.partitioned and layout.model_gathers)
                  if layout.collective else not layout.sharded)
         self.on_device = (bool(params) and split and len({(q.device, q.dtype) for q in locals_}) == 1
-                          and all(map(dense, locals_)))
+                          and all(map(ondevice.dense, locals_)))
         # where the parameters' data lie: the flat buffer mirrors their strides and storage_params alias
         # their storage, so a parameter whose .data is replaced (module.to(memory_format=...)) must
         # not find these lists again (checked by the optimizer's cache)

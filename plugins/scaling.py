@@ -96,3 +96,37 @@ def verdict_given(opt, found_inf: torch.Tensor, grad_scale: Optional[torch.Tenso
         yield
     finally:
         drop_verdict(opt)
+
+
+_ABSENT = object()
+
+
+def step_through(opt, scaler, finish) -> None:
+    """``scaler.step(opt)`` whose call of ``opt.step()`` goes to ``finish``: inside
+    ``step(closure, scaler=)`` that call is this step's finish, not a second step, so torch's
+    step hooks and an LR scheduler's count see one step.  (An instance attribute for the call:
+    an LR scheduler's own wrapper, if any, comes back after.)"""
+    own = opt.__dict__.get("step", _ABSENT)
+    opt.step = finish
+    try:
+        scaler.step(opt)
+    finally:
+        if own is _ABSENT:
+            del opt.step
+        else:
+            opt.step = own
+
+
+def finish_problem(name: str, pending, found_inf) -> Optional[str]:
+    """Why ``step()`` without a closure cannot finish the step in flight ``pending`` (None: it
+    can); ``found_inf``: the verdict ``scaler.step(opt)`` handed over, None without a scaler."""
+    if pending is None:
+        return (f"{name}.step() needs a closure that re-evaluates the loss; loops that own forward/backward "
+                "use perturb() and descend() (or scaler.step(opt) after perturb(scaler=scaler)): no step is "
+                "in flight")
+    if pending.scaled and found_inf is None:
+        return SCALED_STEP
+    if not pending.scaled and found_inf is not None:
+        return ("scaler.step(opt) finishes a step whose perturb() was given no scaler, so g_t was used scaled: "
+                "pass the scaler to perturb(scaler=scaler)")
+    return None

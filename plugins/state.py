@@ -89,7 +89,7 @@ def state_dict(opt) -> Dict[str, Any]:
     are the base optimizer's (they carry ``rho``); ``"sharpness"`` repeats the counters
     with the knobs, for provenance."""
     base = opt.base_optimizer.state_dict()
-    counters = opt._counters()
+    counters = counters_of(opt)
     state = {k: v for k, v in base["state"].items() if not isinstance(k, int)}  # torch keeps strays
     for i, q in enumerate(opt._all_params()):
         entry = dict(base["state"].get(i, {}))
@@ -163,7 +163,7 @@ def load_state_dict(opt, state_dict: Dict[str, Any]) -> None:
     saved = [k for g in state_dict["param_groups"] for k in g["params"]]
     by_key = dict(zip(saved, opt._all_params()))
     opt._own_state = defaultdict(dict)
-    opt._set_counters(counters[0])
+    set_counters(opt, counters[0])
     for key, buffers in own.items():  # real buffers only: split_entry dropped the placeholders
         q = by_key[key]
         opt._own_state[q] = {k: v.detach().to(device=q.device, dtype=q.dtype).clone() for k, v in buffers.items()}
@@ -230,7 +230,7 @@ class MergedState(MutableMapping):
     parameter is in the mapping when it holds real state.
 
     An entry lists the same keys at every step: a parameter that requires a gradient
-    lists every buffer this configuration keeps (``opt._persistent_names()``), as a zero
+    lists every buffer this configuration keeps (``opt.knobs.persistent_buffers()``), as a zero
     placeholder until the step that makes it (VASSO's ``d_t`` on the first finite step,
     SAM's ``g`` and the stability's ``previous_ascent`` on the first two-pass step), and
     ``sam_held`` says which are real (the host quirks above).  Loading drops the
@@ -261,7 +261,7 @@ class MergedState(MutableMapping):
         else:
             opt._own_state.pop(q, None)
         if counters is not None:
-            opt._set_counters(counters)
+            set_counters(opt, counters)
         opt._lists = None
 
     def __delitem__(self, q) -> None:
@@ -306,7 +306,7 @@ class ParamState(MutableMapping):
         own = opt._own_state.get(q, {})
         real = {_OWN_PREFIX + k: True for k in own if k in PERSISTENT}
         if getattr(q, "requires_grad", False):
-            real.update((_OWN_PREFIX + k, False) for k in opt._persistent_names() if k not in own)
+            real.update((_OWN_PREFIX + k, False) for k in opt.knobs.persistent_buffers() if k not in own)
         return real
 
     def _keys(self) -> List[str]:
@@ -324,7 +324,7 @@ class ParamState(MutableMapping):
         if key in PERSISTENT:
             raise KeyError(_UNPREFIXED.format(key=key))
         if key == _COUNTERS and self._keys():
-            return opt._counters()
+            return counters_of(opt)
         if key == _HELD and self._keys():
             return {k[len(_OWN_PREFIX):]: int(real) for k, real in self._own().items()}
         if isinstance(key, str) and key.startswith(_OWN_PREFIX):
@@ -340,7 +340,7 @@ class ParamState(MutableMapping):
     def __setitem__(self, key, value) -> None:
         opt, q = self._opt, self._q
         if key == _COUNTERS:
-            opt._set_counters(value)
+            set_counters(opt, value)
         elif key == _HELD:  # entries copied key by key: the placeholders copied before it go
             for name, real in value.items():
                 if not int(real):
@@ -372,6 +372,11 @@ class ParamState(MutableMapping):
 
     def __repr__(self) -> str:
         return repr(dict(self))
+
+
+def counters_of(opt) -> Dict[str, Any]:
+    """``opt``'s counters as ``sam_counters`` holds them."""
+    return counters_dict(opt._step, opt.seed, opt.nonfinite_steps, opt._last)
 
 
 def set_counters(opt, counters: Dict[str, Any]) -> None:
@@ -432,3 +437,8 @@ def reset_caches(opt) -> None:
     opt._lists = None
     opt._scratch = defaultdict(dict)
     opt._exchange = {}
+
+
+def nbytes(store) -> int:
+    """The bytes of the tensors in a per-parameter buffer store."""
+    return sum(v.numel() * v.element_size() for b in store.values() for v in b.values() if torch.is_tensor(v))

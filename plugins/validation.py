@@ -160,3 +160,13 @@ def _process_group(value: Any, name: str) -> Any:
     if dist.get_rank(value) < 0:
         raise ValueError(f"{name}: this rank ({dist.get_rank()}) is not a member of the process group given")
     return value
+
+
+def group_rho(groups, default: float) -> float:
+    """The one rho every param group holds (``group["rho"]``: one global ascent norm), checked."""
+    rho = groups[0].get("rho") if groups else default
+    for group in groups:
+        if group.get("rho", rho) != rho:
+            values = ", ".join(f"group {i}: {g.get('rho')!r}" for i, g in enumerate(groups))
+            raise ValueError("rho must be the same in every param group (one global ascent norm), got " + values)
+    return check("rho", rho, name="param_groups' rho")
