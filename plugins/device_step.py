@@ -23,8 +23,7 @@ from . import distributed as D
 from . import ondevice, scaling
 from . import perturbation as P
 from .inflight import Kind, StepInFlight, StepLists, Store
-from .reductions import Sums
-from .reductions import long_dot, long_norm
+from .reductions import Sums, long_dot, long_norm
 
 __all__ = ["prepare", "perturb", "descend", "forget_slopes", "flat_buffer", "rule", "diagnose", "verdict_"]
 
@@ -38,7 +37,7 @@ def prepare(step: StepInFlight, own: Store) -> None:
     a layer that joins later) gets one, ``d_0 = g_0`` (:attr:`StepInFlight.new_slopes`)."""
     lists = step.lists
     new = () if lists.flat_slope is not None else tuple(
-        i for i, q in enumerate(lists.params) if "slope" not in own.get(q, ()))
+        i for i, kept in enumerate(lists.kept_slopes(own)) if kept is None)
     if len(new) == len(lists.params) and step.knobs.theta is None and not step.two_pass:
         return  # SAM keeps no slope before its first ascent: the rule only checks g_t's finiteness
     if step.knobs.buffered_stability and step.two_pass:
@@ -66,12 +65,11 @@ def perturb(step: StepInFlight, last: Optional[torch.Tensor], scratch: Store) ->
         return last
     step.kind = Kind.PERTURBED
     step.grads = None  # g_t is not held through the second pass
-    previous = last is not None
-    if knobs.track_stability:
-        last = _last_on(last, slope_norm, knobs.adaptive)
-    applied = diagnose(step, slope_norm, inner, ascent, last if knobs.track_stability else None,
-                       buffered=knobs.buffered_stability, previous=previous)
-    return last if applied is None else applied
+    if not knobs.track_stability:  # no ascent to keep
+        diagnose(step, slope_norm, inner, ascent, None, buffered=knobs.buffered_stability)
+        return last
+    return diagnose(step, slope_norm, inner, ascent, _last_on(last, slope_norm, knobs.adaptive),
+                    buffered=knobs.buffered_stability, previous=last is not None)
 
 
 def _last_on(last: Optional[torch.Tensor], like: torch.Tensor, adaptive: bool) -> torch.Tensor:

@@ -455,8 +455,8 @@ def exchange_for(cache: Dict[str, Any], model: torch.nn.Module, owned: List[torc
 
 
 def partition_roles(given, partition_group, adaptive: bool) -> Tuple[bool, bool, bool]:
-    """What ``partition_group`` (``given``: as the user gave it) asks of a step: ``(model_gathers, partitioned, exchanges)``: flat
-    shards the model all-gathers itself (:class:`PartitionGroup`'s ``model_gathers``); split over
+    """What ``partition_group`` (``given``: as the user gave it) asks of a step, as
+    ``(model_gathers, partitioned, exchanges)``: flat shards the model all-gathers itself (:class:`PartitionGroup`'s ``model_gathers``); split over
     several ranks (a group of one rank: this rank's parameters are its own); and the second pass
     sends each owner's parameters at ``x + eps`` to the other ranks."""
     gathers = isinstance(given, PartitionGroup) and given.model_gathers

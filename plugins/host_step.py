@@ -24,7 +24,8 @@ from .diagnostics import Deferred
 from .inflight import Kind, StepInFlight, Store, copy_
 from .reductions import Sums
 
-__all__ = ["perturb", "move_others", "descend", "first_pass_sums", "previous_inner", "rule", "diagnose", "second_pass_sums"]
+__all__ = ["perturb", "move_others", "descend", "first_pass_sums", "previous_inner", "rule", "diagnose",
+           "second_pass_sums"]
 
 _NAN = float("nan")
 
@@ -194,9 +195,8 @@ def _slope_targets(step: StepInFlight, grads: List[torch.Tensor], own: Store):
         slopes = lists.buffer(own, "slope", grads) if slopes is None else slopes
         return slopes, slopes, grads if theta is None else step.computed, None, None
     if slopes is None:
-        new = {id(q) for q in lists.params if "slope" not in own.get(q, ())}
+        fresh = [i for i, kept in enumerate(lists.kept_slopes(own)) if kept is not None]
         slopes = lists.buffer(own, "slope", grads)
-        fresh = [i for i, q in enumerate(lists.params) if id(q) not in new]
         return slopes, [slopes[i] for i in fresh], [grads[i] for i in fresh], theta, fresh
     return slopes, slopes, grads, theta, None
 

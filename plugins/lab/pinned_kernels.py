@@ -41,16 +41,22 @@ CAPABILITY = "AVX2"
 EXPORT = "export " + " ".join(f"{k}={v}" for k, v in PINNED.items()) + " OMP_NUM_THREADS=1"
 
 
-def _cpu_flags():
-    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read."""
+def _cpuinfo(field):
+    """The value of ``field`` in /proc/cpuinfo (its first CPU), or None where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         return None
     return None
+
+
+def _cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read."""
+    flags = _cpuinfo("flags")
+    return None if flags is None else set(flags.split())
 
 
 def unavailable():
@@ -74,14 +80,7 @@ MEASURED_VENDORS = ("AuthenticAMD",)
 
 def vendor():
     """This CPU's vendor as /proc/cpuinfo names it (``AuthenticAMD``, ``GenuineIntel``), or None."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
+    return _cpuinfo("vendor_id")
 
 
 def unmeasured():
