@@ -14,8 +14,9 @@ formula is :mod:`plugins.perturbation`'s.  Torch only.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -123,16 +124,16 @@ def forget_slopes(step: StepInFlight, own: Store) -> None:
 
 
 def flat_buffer(own: Store, lists: StepLists, key: str) -> ondevice.Flat:
-    """The per-parameter buffers ``key`` as views of one flat tensor, so that a check, a
-    selection or an inner product over all of them is one kernel: made once per set of
-    parameters from the buffers earlier steps wrote, and zeros where a parameter has none yet."""
+    """The per-parameter buffers ``key`` as views of one flat tensor per dtype, so that a
+    check, a selection or an inner product over all of them is one kernel per dtype: made once
+    per set of parameters from the buffers earlier steps wrote, zeros where one has none yet."""
     attribute = _FLAT_ATTRIBUTES[key]
     if getattr(lists, attribute) is None:
         kept = [own[q].get(key) if q in own else None for q in lists.params]
         locals_ = lists.local_params()
         flat = ondevice.Flat(locals_)
         if any(v is None for v in kept):
-            flat.flat.zero_()
+            torch._foreach_zero_(flat.flats)
         pairs = [(view, D.local(v)) for view, v in zip(flat.views, kept) if v is not None]
         if pairs:
             torch._foreach_copy_([view for view, _ in pairs], [v for _, v in pairs])
@@ -147,8 +148,8 @@ def flat_buffer(own: Store, lists: StepLists, key: str) -> ondevice.Flat:
                 buffers[key] = D.like(q, D.local(s).clone(memory_format=torch.preserve_format))
         lists.buffers[key] = flat.views
         setattr(lists, attribute, flat)
-        if lists.storage_params is None:
-            lists.storage_params = ondevice.storage_views(locals_)
+        if lists.storage_params is None:  # (in the flats' order, as their scratch's pieces)
+            lists.storage_params = ondevice.storage_views([locals_[i] for i in flat.order])
     return getattr(lists, attribute)
 
 
@@ -167,7 +168,7 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
     theta, adaptive, eta = knobs.theta, knobs.adaptive, knobs.eta
     scalar_stability, buffered_stability = knobs.scalar_stability, knobs.buffered_stability
     layout = lists.layout
-    v = lists.flat_slope                                # one flat tensor: a check or a where is one kernel
+    v = lists.flat_slope                                # one flat tensor per dtype: a check or a where is one kernel
     if theta is None and not step.two_pass:         # SAM's slope keeps the last ascent's g: only check g_t
         return _total_norm(step.grads, layout) < math.inf, None, None, None
     grads = step.grads
@@ -175,7 +176,7 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
         grads = scaling.unscale(grads, step.loss_scale, in_place=False)
     out = {"inner": None, "ascent": None}
     with v.scratch() as (previous, pieces):             # v_{t-1}, for a non-finite g_t (freed on leaving)
-        previous.copy_(v.flat)
+        torch._foreach_copy_(previous, v.flats)
         if step.new_slopes and theta is not None:       # d_0 = g_0 (lerp of g_0 towards itself: exactly g_0)
             torch._foreach_copy_([v.views[i] for i in step.new_slopes], [grads[i] for i in step.new_slopes])
 
@@ -185,33 +186,36 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
                 if step.two_pass and scalar_stability:
                     stability_with = previous
                 elif step.two_pass and buffered_stability and not adaptive:
-                    stability_with = lists.flat_previous_ascent.flat
-                slope_norm, out["inner"] = _global_sums([v.flat], v.flat, stability_with, layout)
+                    stability_with = lists.flat_previous_ascent.flats
+                slope_norm, out["inner"] = _global_sums([v.flats], v.flats, stability_with, layout)
             else:
-                slope_norm = long_norm(v.flat)
+                slope_norm = _norm(v.flats)
             out["finite"] = finite = slope_norm < math.inf
-            torch.where(finite, v.flat, previous, out=v.flat)  # a non-finite g_t leaves v_{t-1}
+            for flat, kept in zip(v.flats, previous):  # a non-finite g_t leaves v_{t-1}
+                torch.where(finite, flat, kept, out=flat)
             return slope_norm
 
         def ascend(slope_norm: torch.Tensor) -> torch.Tensor:  # x_t + eps_t, through v_{t-1}'s copy (used up)
             finite = out["finite"]
             if scalar_stability and out["inner"] is None:
-                out["inner"] = long_dot(v.flat, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
+                out["inner"] = _dot(v.flats, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
             if adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite; with ||eps_t|| and ASAM's stability inner product
-                last_ascent = lists.flat_previous_ascent.flat if buffered_stability else None
+                last_ascent = lists.flat_previous_ascent.flats if buffered_stability else None
                 scaled_norm, unit, unit_norm, out["inner"] = _adaptive_direction(eta, lists, v, previous, pieces,
                                                                                  finite, last_ascent)
                 out["ascent"] = (scaled_norm, unit_norm * step.rho)  # (||T v_t||, ||eps_t||)
-            else:  # v_t / ||v_t|| in one kernel over the flat buffer, 0 if not finite; rho rides along below
+            else:  # v_t / ||v_t|| in one kernel per flat buffer, 0 if not finite; rho rides along below
                 unit = P.ascent_scale(1.0, slope_norm)
-                torch.mul(v.flat, unit, out=previous)
+                for flat, product in zip(v.flats, previous):
+                    torch.mul(flat, unit, out=product)
             P.move_(lists.storage_params, pieces, step.rho)  # x_t + eps_t
             if buffered_stability:  # eVASSO, ASAM: the previous ascent eps_last, kept flat
                 kept = lists.flat_previous_ascent
                 if out["inner"] is None:  # <v_t, eps_last> (ASAM's <eps_t / rho, eps_last> came with its sums)
-                    out["inner"] = long_dot(v.flat, kept.flat)
+                    out["inner"] = _dot(v.flats, kept.flats)
                 # eps_t = rho * that product is the next previous ascent, where g_t was finite
-                torch.where(finite, previous.mul_(step.rho), kept.flat, out=kept.flat)
+                for product, last in zip(previous, kept.flats):
+                    torch.where(finite, product.mul_(step.rho), last, out=last)
             return unit
 
         slope_norm, unit = P.rule_(v.views, grads, theta, norm, ascend if step.two_pass else None)
@@ -220,6 +224,26 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True
     P.moved_parameters()
     return out["finite"], slope_norm, out["inner"], out["ascent"]
+
+
+def _norm(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of flat tensors of several dtypes together (:func:`long_norm` of each), in
+    the widest dtype of their norms (fp16/bf16's are float32)."""
+    if len(parts) == 1:
+        return long_norm(parts[0])
+    norms = [long_norm(t) for t in parts]
+    dtype = functools.reduce(torch.promote_types, [n.dtype for n in norms])
+    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))
+
+
+def _dot(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_i <xs[i], ys[i]>`` over flat tensors of several dtypes (:func:`long_dot` of each),
+    as :func:`_norm` takes their norms."""
+    if len(xs) == 1:
+        return long_dot(xs[0], ys[0])
+    dots = [long_dot(x, y) for x, y in zip(xs, ys)]
+    dtype = functools.reduce(torch.promote_types, [d.dtype for d in dots])
+    return torch.stack([d.to(dtype) for d in dots]).sum()
 
 
 def _total_norm(tensors: Sequence[torch.Tensor], layout) -> torch.Tensor:
@@ -232,36 +256,39 @@ def _total_norm(tensors: Sequence[torch.Tensor], layout) -> torch.Tensor:
     return layout.all_reduce(squares).sqrt().float()
 
 
-def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: torch.Tensor, pieces, finite,
-                        kept: Optional[torch.Tensor]):
+def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: List[torch.Tensor], pieces, finite,
+                        kept: Optional[List[torch.Tensor]]):
     """ASAM's ascent direction over the flat buffers (eq. (5b) in its geometry, ``eps_t = rho
     T^2 v_t / ||T v_t||``, ``T = |x_t| + eta`` on the weights and 1 elsewhere, as
-    :func:`plugins.perturbation.ascent_direction` has it): ``into`` (of ``v``'s size, its
+    :func:`plugins.perturbation.ascent_direction` has it): ``into`` (of ``v``'s sizes, its
     ``pieces`` in the parameters' storage order) becomes ``T^2 v_t / ||T v_t||``, all zeros
     where ``g_t`` was not finite.  Returns ``||T v_t||``, ``1 / ||T v_t||`` (0 then),
     ``||eps_t|| / rho`` and ``<eps_t / rho, kept>`` (None without ``kept``, the previous
     ascent): each from the unnormalised ``T^2 v_t``, so that over ranks one ``all_reduce``
     carries all three sums."""
     torch._foreach_copy_(pieces, lists.storage_params)  # x_t, flat
-    P.adaptive_scale(into, eta, out=into)           # T, and 1 where the geometry is plain (biases, norms):
-    plain = [piece for piece, weight in zip(pieces, lists.mask) if not weight]
+    for t in into:
+        P.adaptive_scale(t, eta, out=t)             # T, and 1 where the geometry is plain (biases, norms):
+    plain = [piece for piece, i in zip(pieces, v.order) if not lists.mask[i]]
     if plain:
         torch._foreach_zero_(plain)
         torch._foreach_add_(plain, 1.0)
-    scaled = torch.mul(v.flat, into)                    # T v_t (a model-sized temporary, freed on return)
-    into.mul_(scaled)                                   # T (T v_t)
+    scaled = torch._foreach_mul(v.flats, into)          # T v_t (a model-sized temporary, freed on return)
+    torch._foreach_mul_(into, scaled)                   # T (T v_t)
     scaled_norm, direction_norm, inner = _global_sums([scaled, into], into, kept, lists.layout)
     unit = torch.where(finite, P.ascent_scale(1.0, scaled_norm), 0.0)  # a non-finite g_t moves nothing
-    into.mul_(unit)                                     # T^2 v_t / ||T v_t||
+    for t in into:
+        t.mul_(unit)                                    # T^2 v_t / ||T v_t||
     return scaled_norm, unit, direction_norm * unit, None if inner is None else inner * unit
 
 
-def _global_sums(norms_of: Sequence[torch.Tensor], x: torch.Tensor, y: Optional[torch.Tensor], layout):
-    """The norms of ``norms_of`` and ``<x, y>`` (None without ``y``), over every rank's part
-    where the layout is collective: this rank's squares and inner product, summed in float64
-    by one ``all_reduce`` on the device."""
-    norms = [long_norm(t) for t in norms_of]
-    dot = long_dot(x, y) if y is not None else None
+def _global_sums(norms_of: Sequence[Sequence[torch.Tensor]], x: Sequence[torch.Tensor],
+                 y: Optional[Sequence[torch.Tensor]], layout):
+    """The norms of each of ``norms_of`` (flat tensors, one per dtype) and ``<x, y>`` (None
+    without ``y``), over every rank's part where the layout is collective: this rank's squares
+    and inner product, summed in float64 by one ``all_reduce`` on the device."""
+    norms = [_norm(parts) for parts in norms_of]
+    dot = _dot(x, y) if y is not None else None
     if not layout.collective:
         return (*norms, dot)
     terms = [n.double().square() for n in norms] + ([dot.double()] if dot is not None else [])

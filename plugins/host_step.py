@@ -1,6 +1,6 @@
 """The step decided on the host: the kernel of :meth:`plugins.SharpnessAware.perturb` and
 :meth:`~plugins.SharpnessAware.descend` where a host read decides (``docs/design.md``, "Where
-a step is decided"): ZeRO/OSS and hand splits, several dtypes or devices.
+a step is decided"): ZeRO/OSS and hand splits, several devices.
 
 Functions of the step record, its lists and the optimizer's buffer stores, never of the
 optimizer.  :func:`first_pass_sums` is the step's one reduction and host read;

@@ -121,12 +121,13 @@ class StepInFlight:
         if self.kind is not Kind.PERTURBED or not self.at_ascent:
             return
         flat = self.lists.flat_slope
-        if self.finite is not None and self.anchors is None and ondevice.flat_scratch_is_cheap(flat.flat):
-            # decided on the device: the ascent's product again as perturb() made it, one kernel over
-            # the flat slope, taken back through the parameters' storage-order views by the same
+        if self.finite is not None and self.anchors is None and ondevice.flat_scratch_is_cheap(flat.flats[0]):
+            # decided on the device: the ascent's product again as perturb() made it, one kernel per
+            # flat slope, taken back through the parameters' storage-order views by the same
             # subtraction as per tensor (bit for bit that restore)
-            with flat.scratch() as (product, pieces):
-                torch.mul(flat.flat, self.scale, out=product)
+            with flat.scratch() as (products, pieces):
+                for slope, product in zip(flat.flats, products):
+                    torch.mul(slope, self.scale, out=product)
                 P.descend_from_ascent_(self.lists.storage_params, pieces, self.rho)
         else:  # per tensor (on the CPU one flat product would be a block glibc maps anew every step)
             P.descend_from_ascent_(self.params, self.slopes, self.scale, self.anchors,
@@ -215,19 +216,19 @@ class StepLists:
         on_cpu = all(q.device.type == "cpu" for q in params)
         self.fuse_average_norm = all_flat or not on_cpu or layout.collective
         self.buffers: Dict[str, List[torch.Tensor]] = {}
-        self.flat_slope = None  # the slope buffers as views of one flat tensor (plugins.ondevice.Flat)
+        self.flat_slope = None  # the slope buffers as views of one flat tensor per dtype (plugins.ondevice.Flat)
         self.flat_previous_ascent = None  # likewise eVASSO's previous-ascent buffers, where its stability is tracked
         self.storage_params = None  # with it, the parameters as 1-D views in storage order (ondevice.storage_views)
         self._constants = None
         # the base optimizer has stepped over this set: a fused base's state exists (plugins.ondevice.base_step)
         self.base_stepped = False
-        # a step may be decided on the device: one device and dtype, dense local parts, one process,
+        # a step may be decided on the device: one device, dense local parts, one process,
         # replicas, DTensors that every rank counts whole (FSDP2) or flat shards the model gathers
         # (the sums all-reduced on the device); SharpnessAware._decides_on_device adds what the
         # step's options allow
         split = ((layout.sharded and layout.every_rank_counts) or (layout.partitioned and layout.model_gathers)
                  if layout.collective else not layout.sharded)
-        self.on_device = (bool(params) and split and len({(q.device, q.dtype) for q in locals_}) == 1
+        self.on_device = (bool(params) and split and len({q.device for q in locals_}) == 1
                           and all(map(ondevice.dense, locals_)))
         # where the parameters' data lie: the flat buffer mirrors their strides and storage_params alias
         # their storage, so a parameter whose .data is replaced (module.to(memory_format=...)) must

@@ -44,53 +44,59 @@ def dense(t: torch.Tensor) -> bool:
 
 
 class Flat:
-    """One flat tensor, and views of it with the shapes and strides of ``like``'s tensors
-    (channels_last stays channels_last, so that ``torch._foreach_*`` over the views and
-    the parameters keeps its fast path).  A reduction or a ``torch.where`` over the whole
-    list is then one kernel on :attr:`flat`, and so is a product of the list with a
-    scalar: :meth:`split` hands it on as 1-D views in storage order, which line up with
-    :func:`storage_views` of ``like``; :meth:`scratch` is a tensor for such products whose
-    views are made once."""
+    """Flat tensors, one per dtype of ``like``'s tensors (all on one device), and views of
+    them with those tensors' shapes and strides (channels_last stays channels_last, so that
+    ``torch._foreach_*`` over the views and the parameters keeps its fast path).  A reduction
+    or a ``torch.where`` over the whole list is then one kernel per dtype, on :attr:`flats`,
+    and so is a product of the list with a scalar: :meth:`scratch` hands out tensors of
+    :attr:`flats`' sizes for such products, with 1-D views in storage order that line up
+    with :func:`storage_views` of ``like``'s tensors taken in :attr:`order`."""
 
-    __slots__ = ("flat", "views", "sizes", "_scratch", "_pieces")
+    __slots__ = ("flats", "views", "order", "sizes", "_scratch", "_pieces")
 
     def __init__(self, like: Sequence[torch.Tensor]):
-        first = like[0]
-        self.sizes = [t.numel() for t in like]
-        self.flat = torch.empty(sum(self.sizes), dtype=first.dtype, device=first.device)
-        self._scratch: Optional[torch.Tensor] = None
+        by_dtype: dict = {}
+        for i, t in enumerate(like):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        self.order = [i for indices in by_dtype.values() for i in indices]  # the tensors, flat by flat
+        self.sizes = [[like[i].numel() for i in indices] for indices in by_dtype.values()]  # per flat
+        self.flats = [torch.empty(sum(sizes), dtype=dtype, device=like[0].device)
+                      for dtype, sizes in zip(by_dtype, self.sizes)]
+        self._scratch: List[torch.Tensor] = []
         self._pieces: List[torch.Tensor] = []
-        self.views: List[torch.Tensor] = []
-        at = 0
-        for t in like:
-            self.views.append(self.flat.as_strided(t.shape, t.stride(), at) if not t.is_contiguous()
-                              else self.flat[at:at + t.numel()].view(t.shape))
-            at += t.numel()
-
-    def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """``flat`` (of :attr:`flat`'s size, e.g. a product of it) as 1-D views in storage
-        order, one per tensor of ``like``: one call, no copy."""
-        return list(torch.split(flat, self.sizes))
+        self.views: List[torch.Tensor] = [like[0]] * len(like)
+        for flat, indices in zip(self.flats, by_dtype.values()):
+            at = 0
+            for i in indices:
+                t = like[i]
+                self.views[i] = (flat.as_strided(t.shape, t.stride(), at) if not t.is_contiguous()
+                                 else flat[at:at + t.numel()].view(t.shape))
+                at += t.numel()
 
     @contextlib.contextmanager
-    def scratch(self) -> Iterator[Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """A second tensor of :attr:`flat`'s size and its :meth:`split` views, for the
-        ``with`` block only: the views are made once (a view per tensor costs host time at
-        every step, 66 us for 188 on this project's CPU, two splits per GPU step); each use
-        allocates just the storage behind them (one block, which a GPU's caching allocator
-        hands back) and frees it on leaving, as a tensor that goes out of scope would be."""
-        if self._scratch is None:
-            self._scratch = torch.empty_like(self.flat)
-            self._pieces = self.split(self._scratch)
-        elif self._scratch.untyped_storage().nbytes():  # a nested use would free the outer's storage on leaving
+    def scratch(self) -> Iterator[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+        """Tensors of :attr:`flats`' sizes and their 1-D views in storage order (one per tensor
+        of ``like``, in :attr:`order`), for the ``with`` block only: the views are made once (a
+        view per tensor costs host time at every step, 66 us for 188 on this project's CPU, two
+        sets per GPU step); each use allocates just the storage behind them (one block per
+        dtype, which a GPU's caching allocator hands back) and frees it on leaving, as a tensor
+        that goes out of scope would be."""
+        device = self.flats[0].device
+        if not self._scratch:
+            self._scratch = [torch.empty_like(flat) for flat in self.flats]
+            self._pieces = [piece for tensor, sizes in zip(self._scratch, self.sizes)
+                            for piece in torch.split(tensor, sizes)]
+        elif self._scratch[0].untyped_storage().nbytes():  # a nested use would free the outer's storage on leaving
             raise RuntimeError("Flat.scratch() is already in use")
         else:
-            _resize(self._scratch.untyped_storage(), self.flat.numel() * self.flat.element_size(), self.flat.device)
-        storage = self._scratch.untyped_storage()
+            for tensor, flat in zip(self._scratch, self.flats):
+                _resize(tensor.untyped_storage(), flat.numel() * flat.element_size(), device)
+        storages = [tensor.untyped_storage() for tensor in self._scratch]
         try:
             yield self._scratch, self._pieces
         finally:
-            _resize(storage, 0, self.flat.device)
+            for storage in storages:
+                _resize(storage, 0, device)
 
 
 def _resize(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> None:
@@ -105,7 +111,7 @@ def _resize(storage: torch.UntypedStorage, nbytes: int, device: torch.device) ->
 
 def storage_views(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Each of ``tensors`` (dense: :func:`dense`) as a 1-D view of its elements in storage
-    order, an alias that in-place ops write through; paired with :meth:`Flat.split`, whose
+    order, an alias that in-place ops write through; paired with :meth:`Flat.scratch`'s pieces, whose
     views follow the same order, a foreach op needs no views of ``tensors``' shapes."""
     return [t.as_strided((t.numel(),), (1,), t.storage_offset()) for t in tensors]
 
@@ -126,10 +132,12 @@ def norms(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     tensors = list(tensors)
     if not any(t.dtype in LOW_PRECISION for t in tensors):
         return list(torch._foreach_norm(tensors))
-    try:
-        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    except (TypeError, RuntimeError):  # torch < 2.4: no dtype
-        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    if all(t.dtype in LOW_PRECISION or t.dtype == torch.float32 for t in tensors):
+        try:
+            return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        except (TypeError, RuntimeError):  # torch < 2.4: no dtype
+            pass
+    return [torch.linalg.vector_norm(t, dtype=torch.float32 if t.dtype in LOW_PRECISION else None) for t in tensors]
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -284,7 +284,7 @@ class SharpnessAware(torch.optim.Optimizer):
 
     def _decides_on_device(self, step: StepInFlight) -> bool:
         """Whether this step keeps its decisions on the device (:mod:`plugins.device_step`): one
-        process, replicas or shards every rank counts, one device and dtype, no exchange."""
+        process, replicas or shards every rank counts, one device, no exchange."""
         return (self._decide_on_device and step.lists.on_device and step.exchange is None
                 and (self.partition_group is None or self._model_gathers))
 

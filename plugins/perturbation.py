@@ -15,6 +15,7 @@ for VASSO), ``eps`` the ascent, ``h`` the second-pass gradient at ``x + eps``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -289,8 +290,8 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
         # in the gradients' dtype (the sums are float64): a scalar tensor of another dtype sends
         # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway.
         # fp16/bf16 take it in float32: rounded to theirs, a factor near 1 would be 1
-        dtype = second_grads[0].dtype
-        dtype = torch.float32 if dtype in LOW_PRECISION else dtype
+        dtype = functools.reduce(torch.promote_types, {torch.float32 if h.dtype in LOW_PRECISION else h.dtype
+                                                       for h in second_grads})  # (several: the widest)
         factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq)).to(dtype)
         torch._foreach_mul_(list(second_grads), factor)
         torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), (moved * -alpha).to(dtype)))

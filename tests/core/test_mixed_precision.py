@@ -490,6 +490,78 @@ def test_low_precision_steps_on_the_device_follow_the_host_path(kind, dtype):
     assert device[2] == [1] * 6 and max(host[2]) == 2
 
 
+class _TwoDtypes(torch.nn.Module):
+    """make_model()'s layers, the first in ``first`` and the rest in ``rest`` (a model whose
+    norm layers are kept in float32 while the others are bf16, as some checkpoints load)."""
+
+    def __init__(self, first, rest):
+        super().__init__()
+        self.body = make_model()
+        self.body[0].to(first)
+        self.body[1:].to(rest)
+        self.dtypes = (first, rest)
+
+    def forward(self, x):
+        return self.body[1:](self.body[0](x.to(self.dtypes[0])).to(self.dtypes[1])).float()
+
+
+def _two_dtype_run(kind, dtypes, steps, *, on_device, base=torch.optim.SGD, **base_kw):
+    """``steps`` closure steps of ``kind`` over ``base`` on a _TwoDtypes model, g_t not finite in
+    step 3's first pass: (model, optimizer, host syncs per step, diagnostics per step)."""
+    model = _TwoDtypes(*dtypes)
+    opt = build(kind, model.parameters(), base, lr=0.1, rho=0.2, **base_kw)
+    opt._decide_on_device = on_device
+    syncs, diags = [], []
+    for t, (x, y) in enumerate(make_batches(steps)):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if t == 3 and opt.in_flight is False:  # the first pass's g_t of step 3
+                model.body[0].weight.grad[0, 0] = INF
+            return loss
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with CountSyncs() as counted:
+                opt.step(closure)
+        syncs.append(counted.count)
+        diags.append({k: float(v) for k, v in opt.diagnostics.items()})
+    return model, opt, syncs, diags
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=["fp64+fp32", "fp32+bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_parameters_of_several_dtypes_are_decided_on_the_device(kind, dtypes):
+    """Parameters of two dtypes on one device take the device path, with one flat slope buffer
+    per dtype: 6 steps, a non-finite g_t among them, end where the host path's do (to
+    float32's rounding, bf16's where it takes part), with the same diagnostics, and 1 sync
+    per step over SGD where the host path reads 2 on a two-pass step."""
+    skip_without_cpu_matmul(dtypes[1])
+    device, host = (_two_dtype_run(kind, dtypes, 6, on_device=on) for on in (True, False))
+    assert [f.dtype for f in device[1]._lists.flat_slope.flats] == list(dtypes)
+    assert host[1]._lists.flat_slope is None  # (the host path keeps no flat buffer)
+    tolerance = 0.02 if torch.bfloat16 in dtypes else 1e-5
+    torch.testing.assert_close(flat(device[0].parameters()).double(), flat(host[0].parameters()).double(),
+                               rtol=tolerance, atol=tolerance)
+    assert device[1].nonfinite_steps == host[1].nonfinite_steps == 1
+    for d, h in zip(device[3], host[3]):
+        assert d.keys() == h.keys()
+        for key in ("two_pass", "ascent_norm", "sharpness", "stability"):
+            assert d.get(key) == pytest.approx(h.get(key), rel=tolerance, nan_ok=True), key
+    assert device[2] == [1] * 6 and max(host[2]) == 2
+
+
+def test_parameters_of_several_dtypes_over_fused_adamw_read_no_host():
+    """Over fused AdamW, a step over fp64 and fp32 parameters reads the host only where the
+    base's first step or new slopes need the verdict (expected_syncs), as one dtype's does."""
+    base = fused_adamw_on("cpu")
+    model, opt, syncs, _ = _two_dtype_run("VASSO", (torch.float64, torch.float32), 6, on_device=True, base=base,
+                                          fused=True)
+    assert syncs == expected_syncs("VASSO", [True] * 6, fused=True) and syncs[1:] == [0] * 5
+    assert opt.nonfinite_steps == 1 and torch.isfinite(flat(model.parameters())).all()
+
+
 @pytest.mark.parametrize("kind", ["SAM", "VASSO"])
 def test_fp16_gradients_past_its_range_in_norm_are_finite(kind):
     """Finite fp16 gradients whose norm is past 65504 take the step: the device path's

@@ -128,7 +128,7 @@ def test_gradients_of_another_dtype_are_decided_on_the_device(kind):
                 if _pass == 0 and not opt.perturb():
                     break
             opt.descend()
-        assert opt._lists.flat_slope is not None and opt._lists.flat_slope.flat.dtype == torch.float32
+        assert opt._lists.flat_slope is not None and [f.dtype for f in opt._lists.flat_slope.flats] == [torch.float32]
         results.append(flat(model.parameters()))
     exact = kind not in ("GSAM", "V+G")
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0 if exact else 5e-4)
@@ -302,8 +302,8 @@ def test_the_step_makes_no_view_per_tensor_and_holds_no_scratch_between_uses(kin
     opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.1)
     for _ in range(2):  # the first step makes the slope buffers, the second the flat one and its scratch
         opt.step(closure_for(opt, model, x, y))
-    scratch = opt._lists.flat_slope._scratch
-    assert scratch is not None and scratch.untyped_storage().nbytes() == 0
+    (scratch,) = opt._lists.flat_slope._scratch  # one dtype: one flat tensor
+    assert scratch.untyped_storage().nbytes() == 0
     storage_sizes = []
 
     def closure():
@@ -318,7 +318,7 @@ def test_the_step_makes_no_view_per_tensor_and_holds_no_scratch_between_uses(kin
         assert not torch.equal(flat(model.parameters()), before)
         assert scratch.untyped_storage().nbytes() == 0
     assert storage_sizes == [0] * 6
-    assert opt._lists.flat_slope._scratch is scratch
+    assert opt._lists.flat_slope._scratch[0] is scratch
 
 
 def test_parameters_whose_data_are_replaced_get_new_flat_buffers():
@@ -513,21 +513,26 @@ def test_a_checkpoint_loaded_over_a_skipped_step_keeps_its_own_count():
 
 def test_a_flat_scratch_serves_one_use_at_a_time():
     """Flat.scratch's views are made once and outlive its storage, which exists only inside the
-    block: a nested use, which would free the outer's storage on leaving, is refused."""
+    block: a nested use, which would free the outer's storage on leaving, is refused.  Tensors
+    of several dtypes get one flat tensor each, their pieces in Flat.order."""
     from plugins import ondevice
 
-    flat = ondevice.Flat([torch.zeros(3), torch.zeros(2, 2).t()])
-    with flat.scratch() as (tensor, pieces):
-        assert [p.numel() for p in pieces] == [3, 4] and tensor.untyped_storage().nbytes() == 28
+    like = [torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(2, 2).t()]
+    flat = ondevice.Flat(like)
+    assert flat.order == [0, 2, 1] and [f.dtype for f in flat.flats] == [torch.float32, torch.float64]
+    assert [v.stride() for v in flat.views] == [t.stride() for t in like]
+    with flat.scratch() as (tensors, pieces):
+        assert [p.numel() for p in pieces] == [3, 4, 2]
+        assert [t.untyped_storage().nbytes() for t in tensors] == [28, 16]
         with pytest.raises(RuntimeError, match="already in use"):
             with flat.scratch():
                 pass
-        tensor.copy_(torch.arange(7.0))
+        tensors[0].copy_(torch.arange(7.0))
         assert pieces[1].tolist() == [3.0, 4.0, 5.0, 6.0]
-    assert tensor.untyped_storage().nbytes() == 0
+    assert [t.untyped_storage().nbytes() for t in tensors] == [0, 0]
     with flat.scratch() as (again, pieces_again):
-        assert again is tensor and all(map(operator.is_, pieces_again, pieces))
-        assert again.untyped_storage().nbytes() == 28
+        assert all(map(operator.is_, again, tensors)) and all(map(operator.is_, pieces_again, pieces))
+        assert again[0].untyped_storage().nbytes() == 28
 
 
 @pytest.mark.two_gpus  # on one GPU: reported as not run, with the reason (tests/helpers/gpu_marker.py)
@@ -539,7 +544,7 @@ def test_a_flat_scratch_stays_on_its_own_gpu_whichever_is_current():
     flat = ondevice.Flat([torch.zeros(5, device="cuda:1"), torch.zeros(3, device="cuda:1")])
     with torch.cuda.device(0):
         for _ in range(2):
-            with flat.scratch() as (tensor, pieces):
+            with flat.scratch() as ((tensor,), pieces):
                 tensor.copy_(torch.arange(8.0, device="cuda:1"))
                 assert tensor.untyped_storage().device == torch.device("cuda:1")
                 assert pieces[1].tolist() == [5.0, 6.0, 7.0]
