@@ -413,21 +413,36 @@ def test_bf16_parameters_train_and_are_restored_exactly(device, kind):
     assert losses[-1] < 0.7 * losses[0]
 
 
-def _low_precision_run(kind, dtype, steps, *, on_device):
-    """``steps`` closure steps of ``kind`` over SGD on the model in ``dtype``, on the device
-    path or the host path, with g_t not finite in step 3's first pass: (model, optimizer,
-    host syncs per step, diagnostics per step)."""
-    model = make_model().to(dtype)
-    opt = build(kind, model.parameters(), torch.optim.SGD, lr=0.1, rho=0.2)
+class _TwoDtypes(torch.nn.Module):
+    """make_model()'s layers, the first in ``first`` and the rest in ``rest`` (as a checkpoint
+    that keeps some layers in float32 and the others in bf16 loads); one dtype where both are."""
+
+    def __init__(self, first, rest):
+        super().__init__()
+        self.body = make_model()
+        self.body[0].to(first)
+        self.body[1:].to(rest)
+        self.dtypes = (first, rest)
+
+    def forward(self, x):
+        return self.body[1:](self.body[0](x.to(self.dtypes[0])).to(self.dtypes[1])).float()
+
+
+def _two_dtype_run(kind, dtypes, steps, *, on_device, base=torch.optim.SGD, **base_kw):
+    """``steps`` closure steps of ``kind`` over ``base`` on a _TwoDtypes model, on the device path
+    or the host path, with g_t not finite in step 3's first pass: (model, optimizer, host
+    syncs per step, diagnostics per step)."""
+    model = _TwoDtypes(*dtypes)
+    opt = build(kind, model.parameters(), base, lr=0.1, rho=0.2, **base_kw)
     opt._decide_on_device = on_device
     syncs, diags = [], []
     for t, (x, y) in enumerate(make_batches(steps)):
         def closure():
             opt.zero_grad()
-            loss = F.cross_entropy(model(x.to(dtype)).float(), y)
+            loss = F.cross_entropy(model(x), y)
             loss.backward()
             if t == 3 and opt.in_flight is False:  # the first pass's g_t of step 3
-                model[0].weight.grad[0, 0] = INF
+                model.body[0].weight.grad[0, 0] = INF
             return loss
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -436,6 +451,13 @@ def _low_precision_run(kind, dtype, steps, *, on_device):
         syncs.append(counted.count)
         diags.append(dict(opt.diagnostics))
     return model, opt, syncs, diags
+
+
+def _low_precision_run(kind, dtype, steps, *, on_device):
+    """``steps`` closure steps of ``kind`` over SGD on the model in ``dtype``, on the device
+    path or the host path, with g_t not finite in step 3's first pass: (model, optimizer,
+    host syncs per step, diagnostics per step)."""
+    return _two_dtype_run(kind, (dtype, dtype), steps, on_device=on_device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -490,45 +512,6 @@ def test_low_precision_steps_on_the_device_follow_the_host_path(kind, dtype):
     assert device[2] == [1] * 6 and max(host[2]) == 2
 
 
-class _TwoDtypes(torch.nn.Module):
-    """make_model()'s layers, the first in ``first`` and the rest in ``rest`` (a model whose
-    norm layers are kept in float32 while the others are bf16, as some checkpoints load)."""
-
-    def __init__(self, first, rest):
-        super().__init__()
-        self.body = make_model()
-        self.body[0].to(first)
-        self.body[1:].to(rest)
-        self.dtypes = (first, rest)
-
-    def forward(self, x):
-        return self.body[1:](self.body[0](x.to(self.dtypes[0])).to(self.dtypes[1])).float()
-
-
-def _two_dtype_run(kind, dtypes, steps, *, on_device, base=torch.optim.SGD, **base_kw):
-    """``steps`` closure steps of ``kind`` over ``base`` on a _TwoDtypes model, g_t not finite in
-    step 3's first pass: (model, optimizer, host syncs per step, diagnostics per step)."""
-    model = _TwoDtypes(*dtypes)
-    opt = build(kind, model.parameters(), base, lr=0.1, rho=0.2, **base_kw)
-    opt._decide_on_device = on_device
-    syncs, diags = [], []
-    for t, (x, y) in enumerate(make_batches(steps)):
-        def closure():
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            if t == 3 and opt.in_flight is False:  # the first pass's g_t of step 3
-                model.body[0].weight.grad[0, 0] = INF
-            return loss
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            with CountSyncs() as counted:
-                opt.step(closure)
-        syncs.append(counted.count)
-        diags.append({k: float(v) for k, v in opt.diagnostics.items()})
-    return model, opt, syncs, diags
-
-
 @pytest.mark.parametrize("dtypes", [(torch.float64, torch.float32), (torch.float32, torch.bfloat16)],
                          ids=["fp64+fp32", "fp32+bf16"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -539,13 +522,14 @@ def test_parameters_of_several_dtypes_are_decided_on_the_device(kind, dtypes):
     per step over SGD where the host path reads 2 on a two-pass step."""
     skip_without_cpu_matmul(dtypes[1])
     device, host = (_two_dtype_run(kind, dtypes, 6, on_device=on) for on in (True, False))
+    floats = [[{k: float(v) for k, v in d.items()} for d in run[3]] for run in (device, host)]
     assert [f.dtype for f in device[1]._lists.flat_slope.flats] == list(dtypes)
     assert host[1]._lists.flat_slope is None  # (the host path keeps no flat buffer)
     tolerance = 0.02 if torch.bfloat16 in dtypes else 1e-5
     torch.testing.assert_close(flat(device[0].parameters()).double(), flat(host[0].parameters()).double(),
                                rtol=tolerance, atol=tolerance)
     assert device[1].nonfinite_steps == host[1].nonfinite_steps == 1
-    for d, h in zip(device[3], host[3]):
+    for d, h in zip(*floats):
         assert d.keys() == h.keys()
         for key in ("two_pass", "ascent_norm", "sharpness", "stability"):
             assert d.get(key) == pytest.approx(h.get(key), rel=tolerance, nan_ok=True), key
