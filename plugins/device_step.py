@@ -14,7 +14,6 @@ formula is :mod:`plugins.perturbation`'s.  Torch only.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -228,22 +227,16 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
 
 def _norm(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of flat tensors of several dtypes together (:func:`long_norm` of each), in
-    the widest dtype of their norms (fp16/bf16's are float32)."""
-    if len(parts) == 1:
-        return long_norm(parts[0])
+    the widest dtype of their norms (``torch.stack`` promotes; fp16/bf16's are float32)."""
     norms = [long_norm(t) for t in parts]
-    dtype = functools.reduce(torch.promote_types, [n.dtype for n in norms])
-    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _dot(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_i <xs[i], ys[i]>`` over flat tensors of several dtypes (:func:`long_dot` of each),
-    as :func:`_norm` takes their norms."""
-    if len(xs) == 1:
-        return long_dot(xs[0], ys[0])
+    in the widest dtype of the dots, as :func:`_norm` takes their norms."""
     dots = [long_dot(x, y) for x, y in zip(xs, ys)]
-    dtype = functools.reduce(torch.promote_types, [d.dtype for d in dots])
-    return torch.stack([d.to(dtype) for d in dots]).sum()
+    return dots[0] if len(dots) == 1 else torch.stack(dots).sum()
 
 
 def _total_norm(tensors: Sequence[torch.Tensor], layout) -> torch.Tensor:
