@@ -130,7 +130,7 @@ def flat_buffer(own: Store, lists: StepLists, key: str) -> ondevice.Flat:
     if getattr(lists, attribute) is None:
         kept = [own[q].get(key) if q in own else None for q in lists.params]
         locals_ = lists.local_params()
-        flat = ondevice.Flat(locals_)
+        flat = ondevice.Flat(locals_, lists.layout.counted)
         if any(v is None for v in kept):
             torch._foreach_zero_(flat.flats)
         pairs = [(view, D.local(v)) for view, v in zip(flat.views, kept) if v is not None]
@@ -169,7 +169,8 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
     layout = lists.layout
     v = lists.flat_slope                                # one flat tensor per dtype: a check or a where is one kernel
     if theta is None and not step.two_pass:         # SAM's slope keeps the last ascent's g: only check g_t
-        return _total_norm(step.grads, layout) < math.inf, None, None, None
+        counted = step.grads if layout.counted is None else [step.grads[i] for i in layout.counted]
+        return _total_norm(counted, layout) < math.inf, None, None, None
     grads = step.grads
     if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
         grads = scaling.unscale(grads, step.loss_scale, in_place=False)
@@ -186,7 +187,9 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
                     stability_with = previous
                 elif step.two_pass and buffered_stability and not adaptive:
                     stability_with = lists.flat_previous_ascent.flats
-                slope_norm, out["inner"] = _global_sums([v.flats], v.flats, stability_with, layout)
+                summed = v.counting(v.flats)  # (a tensor replicated on a mesh dimension: one rank's copy)
+                slope_norm, out["inner"] = _global_sums(
+                    [summed], summed, None if stability_with is None else v.counting(stability_with), layout)
             else:
                 slope_norm = _norm(v.flats)
             out["finite"] = finite = slope_norm < math.inf
@@ -268,7 +271,9 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: Li
         torch._foreach_add_(plain, 1.0)
     scaled = torch._foreach_mul(v.flats, into)          # T v_t (a model-sized temporary, freed on return)
     torch._foreach_mul_(into, scaled)                   # T (T v_t)
-    scaled_norm, direction_norm, inner = _global_sums([scaled, into], into, kept, lists.layout)
+    summed = v.counting(into)
+    scaled_norm, direction_norm, inner = _global_sums([v.counting(scaled), summed], summed,
+                                                      None if kept is None else v.counting(kept), lists.layout)
     unit = torch.where(finite, P.ascent_scale(1.0, scaled_norm), 0.0)  # a non-finite g_t moves nothing
     for t in into:
         t.mul_(unit)                                    # T^2 v_t / ||T v_t||
@@ -280,8 +285,11 @@ def _global_sums(norms_of: Sequence[Sequence[torch.Tensor]], x: Sequence[torch.T
     """The norms of each of ``norms_of`` (flat tensors, one per dtype) and ``<x, y>`` (None
     without ``y``), over every rank's part where the layout is collective: this rank's squares
     and inner product, summed in float64 by one ``all_reduce`` on the device."""
-    norms = [_norm(parts) for parts in norms_of]
-    dot = _dot(x, y) if y is not None else None
+    if not x:  # a rank that sums none of its tensors (each is another rank's too): zeros
+        zero = torch.zeros((), device=layout.device)
+        norms, dot = [zero] * len(norms_of), None if y is None else zero
+    else:
+        norms, dot = [_norm(parts) for parts in norms_of], None if y is None else _dot(x, y)
     if not layout.collective:
         return (*norms, dot)
     terms = [n.double().square() for n in norms] + ([dot.double()] if dot is not None else [])

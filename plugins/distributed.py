@@ -69,6 +69,13 @@ def dtensor_classes() -> tuple:
     return _DTENSOR
 
 
+def _shards(placement: Any, Shard: type) -> bool:
+    """``placement`` splits the tensor's elements over its mesh dimension: a ``Shard``, or the
+    ``_StridedShard`` that FSDP2 puts on its dimension over tensor parallelism's ``Shard`` of
+    the same tensor dimension (not a ``Shard`` subclass in every torch)."""
+    return isinstance(placement, Shard) or getattr(placement, "split_factor", None) is not None
+
+
 def is_dtensor(t: Any) -> bool:
     cls = dtensor_classes()[0]
     return cls is not None and isinstance(t, cls)
@@ -155,9 +162,6 @@ class Layout:
         self.device = params[0].device if params else torch.device("cpu")
         self.counted: Optional[List[int]] = None
         self.groups: List[Any] = []
-        # DTensors sharded alike on every mesh dimension that shards any (FSDP2, HSDP): each rank
-        # adds its whole local part, on every rank (a replicated dimension is not summed over)
-        self.every_rank_counts = False
         DTensor, Shard, Replicate = dtensor_classes()
         kinds = []
         for i, q in enumerate(params):
@@ -199,7 +203,7 @@ class Layout:
                                  "the optimizer reduces over one mesh; build one optimizer per mesh")
             dims = set()
             for d, placement in enumerate(q.placements):
-                if isinstance(placement, Shard):
+                if _shards(placement, Shard):
                     dims.add(d)
                 elif not isinstance(placement, Replicate):
                     raise ValueError(f"parameter {i} has placement {placement} on mesh dimension {d}: the "
@@ -212,7 +216,6 @@ class Layout:
                                  f"{tuple(q.placements)}: the optimizer needs them alike (Partial gradients must "
                                  "be reduced first)")
         union = sorted(set().union(*shard_dims))
-        self.every_rank_counts = bool(union) and all(dims == set(union) for dims in shard_dims)
         coordinate = mesh.get_coordinate()
         if coordinate is None:
             raise ValueError("this rank is not in the parameters' device mesh")

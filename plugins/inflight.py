@@ -223,10 +223,10 @@ class StepLists:
         # the base optimizer has stepped over this set: a fused base's state exists (plugins.ondevice.base_step)
         self.base_stepped = False
         # a step may be decided on the device: one device, dense local parts, one process,
-        # replicas, DTensors that every rank counts whole (FSDP2) or flat shards the model gathers
-        # (the sums all-reduced on the device); SharpnessAware._decides_on_device adds what the
+        # replicas, DTensors on one mesh (FSDP2, HSDP, tensor parallelism beside them) or flat
+        # shards the model gathers (the sums all-reduced on the device); SharpnessAware._decides_on_device adds what the
         # step's options allow
-        split = ((layout.sharded and layout.every_rank_counts) or (layout.partitioned and layout.model_gathers)
+        split = (layout.sharded or (layout.partitioned and layout.model_gathers)
                  if layout.collective else not layout.sharded)
         self.on_device = (bool(params) and split and len({q.device for q in locals_}) == 1
                           and all(map(ondevice.dense, locals_)))

@@ -50,28 +50,38 @@ class Flat:
     or a ``torch.where`` over the whole list is then one kernel per dtype, on :attr:`flats`,
     and so is a product of the list with a scalar: :meth:`scratch` hands out tensors of
     :attr:`flats`' sizes for such products, with 1-D views in storage order that line up
-    with :func:`storage_views` of ``like``'s tensors taken in :attr:`order`."""
+    with :func:`storage_views` of ``like``'s tensors taken in :attr:`order`.
 
-    __slots__ = ("flats", "views", "order", "sizes", "_scratch", "_pieces")
+    ``counted``: the indices of the tensors this rank adds to the step's sums (None: all;
+    :attr:`plugins.distributed.Layout.counted`); the others get flats of their own, which
+    :meth:`counting` leaves out."""
 
-    def __init__(self, like: Sequence[torch.Tensor]):
-        by_dtype: dict = {}
+    __slots__ = ("flats", "views", "order", "sizes", "_counting", "_scratch", "_pieces")
+
+    def __init__(self, like: Sequence[torch.Tensor], counted: Optional[Sequence[int]] = None):
+        counts = set(range(len(like)) if counted is None else counted)
+        by_key: dict = {}
         for i, t in enumerate(like):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        self.order = [i for indices in by_dtype.values() for i in indices]  # the tensors, flat by flat
-        self.sizes = [[like[i].numel() for i in indices] for indices in by_dtype.values()]  # per flat
+            by_key.setdefault((t.dtype, i in counts), []).append(i)
+        self.order = [i for indices in by_key.values() for i in indices]  # the tensors, flat by flat
+        self.sizes = [[like[i].numel() for i in indices] for indices in by_key.values()]  # per flat
         self.flats = [torch.empty(sum(sizes), dtype=dtype, device=like[0].device)
-                      for dtype, sizes in zip(by_dtype, self.sizes)]
+                      for (dtype, _), sizes in zip(by_key, self.sizes)]
+        self._counting = [k for k, (_, summed) in enumerate(by_key) if summed]
         self._scratch: List[torch.Tensor] = []
         self._pieces: List[torch.Tensor] = []
         self.views: List[torch.Tensor] = [like[0]] * len(like)
-        for flat, indices in zip(self.flats, by_dtype.values()):
+        for flat, indices in zip(self.flats, by_key.values()):
             at = 0
             for i in indices:
                 t = like[i]
                 self.views[i] = (flat.as_strided(t.shape, t.stride(), at) if not t.is_contiguous()
                                  else flat[at:at + t.numel()].view(t.shape))
                 at += t.numel()
+
+    def counting(self, parts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Those of ``parts`` (one per flat, in :attr:`flats`' order) that this rank sums."""
+        return list(parts) if len(self._counting) == len(self.flats) else [parts[k] for k in self._counting]
 
     @contextlib.contextmanager
     def scratch(self) -> Iterator[Tuple[List[torch.Tensor], List[torch.Tensor]]]:

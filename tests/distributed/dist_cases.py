@@ -30,6 +30,13 @@ def make_model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
 
 
+def tensor_parallel_model(seed=0):
+    # tensor parallelism over 2 ranks splits the hidden layer's 8 units evenly (FSDP2 shards
+    # them again, strided); the last layer's bias stays whole on both: replicated
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
 def batches(world, seed=1):
     g = torch.Generator().manual_seed(seed)
     n = PER_RANK * world
@@ -69,8 +76,8 @@ def run(opt, model, data, api, *, step_model=None, finish=None, explicit_opt=Non
     return diags
 
 
-def reference(kind, world, api="closure"):
-    model = make_model()
+def reference(kind, world, api="closure", model_maker=make_model):
+    model = model_maker()
     opt = build(kind, model.parameters())
     diags = run(opt, model, batches(world), api)
     return [p.detach().clone() for p in model.parameters()], diags
@@ -107,11 +114,25 @@ def shard(model, mesh, reshard):
     return model
 
 
+def tensor_parallel(mesh):
+    """``tensor_parallel_model()`` as torchtitan builds it: tensor parallelism (column-wise,
+    then row-wise) over ``mesh["tp"]``, FSDP2 over ``mesh["dp"]``.  Its parameters are
+    sharded on different mesh dimensions: the last bias on ``dp`` alone."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    fully_shard, _ = _fsdp()
+    model = parallelize_module(tensor_parallel_model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
 def every_setting():
     """Each member under DDP, FSDP2 (reshard after forward or not, a 2-D mesh where
-    the world is even), ZeroRedundancyOptimizer and fairscale's OSS, against one process.
-    Returns {(setting, kind): (relative error, distributed diagnostics, reference's)} and,
-    under "local sizes", the sizes of this rank's FSDP2 shards."""
+    the world is even, tensor parallelism beside it on 4 ranks), ZeroRedundancyOptimizer
+    and fairscale's OSS, against one process.  Returns {(setting, kind): (relative error,
+    distributed diagnostics, reference's)} and, under "local sizes", the sizes of this
+    rank's FSDP2 shards."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -144,6 +165,21 @@ def every_setting():
             diags = run(opt, model, mine, api)
             out[("HSDP 2-D", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
             out.setdefault("HSDP on the device", {})[kind] = opt._lists.flat_slope is not None
+
+        if world == 4:  # 2 data-parallel ranks, each a pair of tensor-parallel ones fed the same slice
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            model = tensor_parallel(mesh)
+            opt = build(kind, model.parameters())
+            dp = mesh.get_coordinate()[0]
+            diags = run(opt, model, [(x[dp::2], y[dp::2]) for x, y in data], api)
+            tp_ref, tp_ref_diags = reference(kind, world, api, tensor_parallel_model)
+            out[("TP x FSDP2", kind)] = (compare(full(model.parameters()), tp_ref), diags, tp_ref_diags)
+            out.setdefault("TP x FSDP2 on the device", {})[kind] = opt._lists.flat_slope is not None
+            model = tensor_parallel(mesh)  # over SGD, whose step reads nothing: the step's own host reads
+            opt = build(kind, model.parameters(), torch.optim.SGD)
+            out.setdefault("TP x FSDP2 reads", {})[kind] = [
+                step[2].count("read") for step in counted_steps(opt, model, [(x[dp::2], y[dp::2]) for x, y in data],
+                                                               api)[1:]]
 
         cls, knobs = VARIANTS[kind]
         model = DDP(make_model())

@@ -1,6 +1,6 @@
 """The one-process step under DDP, FSDP2 (uneven shards, an empty shard, reshard after
-forward or not, a 2-D replicate x shard mesh), ZeroRedundancyOptimizer and fairscale's
-OSS, for every member of the family, on 1, 2 and 4 gloo ranks.
+forward or not, a 2-D replicate x shard mesh, tensor parallelism x FSDP2),
+ZeroRedundancyOptimizer and fairscale's OSS, for every member of the family, on 1, 2 and 4 gloo ranks.
 
 One spawn per world size runs every case (dist_cases.every_setting); each rank trains
 the one-process reference on the whole batch beside the distributed run on its slice."""
@@ -38,7 +38,7 @@ def test_every_member_gives_the_one_process_step_in_every_setting(results):
     ranks = [cases(r) for r in ranks]
     settings = {s for s, _ in ranks[0]}
     expected = {"DDP", "FSDP2 reshard=True", "FSDP2 reshard=False", "ZeRO", "OSS"} | (
-        {"HSDP 2-D"} if world % 2 == 0 else set())
+        {"HSDP 2-D"} if world % 2 == 0 else set()) | ({"TP x FSDP2"} if world == 4 else set())
     assert settings == expected
     assert len(ranks[0]) == len(expected) * 8  # every member in every setting
     worst = {key: max(r[key][0] for r in ranks) for key in ranks[0]}
@@ -80,3 +80,21 @@ def test_hsdp_steps_are_decided_on_the_device(results):
     for rank in ranks:
         on_device = rank["HSDP on the device"]
         assert set(on_device) == set(VARIANTS) and all(on_device.values()), on_device
+
+
+def test_tensor_parallel_steps_are_decided_on_the_device(results):
+    """Tensor parallelism beside FSDP2 shards the last bias on the data-parallel dimension
+    alone: each tensor-parallel pair holds it twice and sums it once (the first of the pair),
+    the others on both mesh dimensions; those steps take the device path too, ASAM's
+    geometry included, and still give the one-process step (the test above): after the
+    first, each step over SGD reads the host once (the base's verdict)."""
+    world, ranks = results
+    if world != 4:
+        pytest.skip("tensor parallelism x FSDP2 runs on a 2 x 2 mesh")
+    from core_helpers import VARIANTS
+
+    for rank in ranks:
+        on_device = rank["TP x FSDP2 on the device"]
+        assert set(on_device) == set(VARIANTS) and all(on_device.values()), on_device
+        reads = rank["TP x FSDP2 reads"]
+        assert all(counts and set(counts) == {1} for counts in reads.values()), reads
