@@ -1,6 +1,6 @@
 """What the ranks run for the checkpoint tests (test_state_checkpoints.py), through
 spawn_helpers.run_ranks: torch.distributed.checkpoint under FSDP2, saved on 2 ranks and
-loaded on 2 and on 4, a checkpoint taken at any point (before any step, after steps the
+loaded on 2 and on 4, tensor parallelism x FSDP2 on 4, a checkpoint taken at any point (before any step, after steps the
 coin skipped, ...) resumed on 2, and ZeroRedundancyOptimizer's consolidate_state_dict
 round trip (mid-run and before any step).
 
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from core_helpers import coin_seed
-from dist_cases import VARIANTS, build, full, make_model, run, shard
+from dist_cases import VARIANTS, _fsdp, build, full, make_model, run, shard, tensor_parallel
 
 KINDS = ("eVASSO", "GSAM", "adaptive eVASSO")  # d_t, the diagnostic's buffer and the coin; g and GSAM; ASAM
 BEFORE, AFTER = 3, 3  # steps before the checkpoint, and after it
@@ -128,11 +128,42 @@ def save_on_two(root):
     return out
 
 
+def tensor_parallel_resume(root):
+    """Tensor parallelism x FSDP2 on a 2 x 2 mesh, each kind: BEFORE steps, a DCP checkpoint,
+    AFTER more; a fresh model and optimizer loaded from it run the AFTER steps again.
+    Returns {kind: (steps counted alike, resumed == uninterrupted)}."""
+    _, init_device_mesh = _fsdp()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_coordinate()[0]  # a tensor-parallel pair takes the same rows
+    data = [(x[dp::2], y[dp::2]) for x, y in global_batches()]
+    out = {}
+    for kind in KINDS:
+        path = os.path.join(root, "tp-" + kind.replace(" ", "_"))
+        model = tensor_parallel(mesh)
+        opt = build(kind, model.parameters(), seed=5)
+        run(opt, model, data[:BEFORE], "closure", read=False)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path)
+        run(opt, model, data[BEFORE:], "closure", read=False)
+        resumed = tensor_parallel(mesh)
+        fresh = build(kind, resumed.parameters(), seed=11)
+        state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, fresh)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(resumed, state["model"])
+        set_optimizer_state_dict(resumed, fresh, state["optim"])
+        run(fresh, resumed, data[BEFORE:], "closure", read=False)
+        out[kind] = (fresh.num_steps == opt.num_steps,
+                     all(torch.equal(a, b) for a, b in zip(full(resumed.parameters()), full(model.parameters()))))
+    return out
+
+
 def load_on_four(root):
     data = global_batches()
-    return {kind: dict(zip(("resumed", "loaded"), resume_from(os.path.join(root, kind.replace(" ", "_")), kind,
-                                                              data)))
-            for kind in KINDS}
+    out = {kind: dict(zip(("resumed", "loaded"), resume_from(os.path.join(root, kind.replace(" ", "_")), kind,
+                                                             data)))
+           for kind in KINDS}
+    out["tensor parallel"] = tensor_parallel_resume(root)
+    return out
 
 
 def zero_round_trip(root, wrapper="zero", before=BEFORE):

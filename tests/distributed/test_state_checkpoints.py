@@ -1,7 +1,7 @@
 """Checkpoints of the sharded step: torch.distributed.checkpoint under
 FSDP2 saves and loads the optimizer (d_t, the diagnostic's buffer, AdamW's moments, the
 step counter and the coin's seed) through get/set_optimizer_state_dict; resuming on the
-same world size continues bit for bit, on another world size (2 -> 4 ranks, one of them
+same world size continues bit for bit (tensor parallelism x FSDP2 too), on another world size (2 -> 4 ranks, one of them
 with an empty shard) to float rounding; ZeroRedundancyOptimizer's consolidate_state_dict
 round-trips, and fairscale OSS's; a checkpoint taken at any point (before any step, after
 steps the coin skipped) loads into a fresh optimizer and resumes bit for bit.  Two spawns
@@ -48,6 +48,15 @@ def test_fsdp2_resume_on_four_ranks_continues_the_two_rank_trajectory(checkpoint
             worst = max(float((g - w).abs().max()) / float(w.abs().max())
                         for g, w in zip(rank[kind]["resumed"], want))
             assert worst <= 1e-5, (kind, worst)  # without d_t restored: 6e-3 (tried)
+
+
+def test_tensor_parallel_x_fsdp2_resumes_bit_for_bit(checkpoints):
+    """torchtitan's 2-D set-up (tensor parallelism x FSDP2, 2 x 2 ranks): the optimizer's
+    buffers are DTensors placed as their parameters (FSDP2's strided shards among them), and
+    DCP's checkpoint resumes the uninterrupted run bit for bit."""
+    _, four = checkpoints
+    for rank in four:
+        assert rank["tensor parallel"] == {kind: (True, True) for kind in KINDS}
 
 
 def test_fsdp2_checkpoint_taken_at_any_point_resumes_bit_for_bit(checkpoints):
