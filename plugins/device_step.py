@@ -175,32 +175,40 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
     if step.loss_scale is not None and not step.two_pass:  # .grad stays as the scaler left it
         grads = scaling.unscale(grads, step.loss_scale, in_place=False)
     out = {"inner": None, "ascent": None}
-    with v.scratch() as (previous, pieces):             # v_{t-1}, for a non-finite g_t (freed on leaving)
-        torch._foreach_copy_(previous, v.flats)
-        if step.new_slopes and theta is not None:       # d_0 = g_0 (lerp of g_0 towards itself: exactly g_0)
-            torch._foreach_copy_([v.views[i] for i in step.new_slopes], [grads[i] for i in step.new_slopes])
+    with v.scratch() as (previous, pieces):             # freed on leaving
+        # v_t where g_t might not be finite, and v_{t-1} to fall back on: SAM copies g_t into the
+        # scratch and keeps v_{t-1} in the slope buffer; VASSO averages in place, v_{t-1} copied out
+        if theta is None:
+            slopes, candidate, kept = v.shaped_scratch(), previous, v.flats
+        else:
+            slopes, candidate, kept = v.views, v.flats, previous
+            torch._foreach_copy_(previous, v.flats)
+            if step.new_slopes:                         # d_0 = g_0 (lerp of g_0 towards itself: exactly g_0)
+                torch._foreach_copy_([v.views[i] for i in step.new_slopes], [grads[i] for i in step.new_slopes])
 
         def norm() -> torch.Tensor:                     # ||v_t||: finite iff g_t is (v_{t-1} is)
             if layout.collective:  # the ranks' parts: ||v_t|| and the stability's inner product in one all_reduce
                 stability_with = None  # <v_t, .>'s partner (ASAM's is eps_t, known only after the ascent)
                 if step.two_pass and scalar_stability:
-                    stability_with = previous
+                    stability_with = kept
                 elif step.two_pass and buffered_stability and not adaptive:
                     stability_with = lists.flat_previous_ascent.flats
-                summed = v.counting(v.flats)  # (a tensor replicated on a mesh dimension: one rank's copy)
+                summed = v.counting(candidate)  # (a tensor replicated on a mesh dimension: one rank's copy)
                 slope_norm, out["inner"] = _global_sums(
                     [summed], summed, None if stability_with is None else v.counting(stability_with), layout)
             else:
-                slope_norm = _norm(v.flats)
+                slope_norm = _norm(candidate)
+                if theta is None and step.two_pass and scalar_stability:  # before the where below takes v_{t-1}
+                    out["inner"] = _dot(candidate, kept)  # <v_t, v_{t-1}>
             out["finite"] = finite = slope_norm < math.inf
-            for flat, kept in zip(v.flats, previous):  # a non-finite g_t leaves v_{t-1}
-                torch.where(finite, flat, kept, out=flat)
+            for flat, new, old in zip(v.flats, candidate, kept):  # a non-finite g_t leaves v_{t-1}
+                torch.where(finite, new, old, out=flat)
             return slope_norm
 
-        def ascend(slope_norm: torch.Tensor) -> torch.Tensor:  # x_t + eps_t, through v_{t-1}'s copy (used up)
+        def ascend(slope_norm: torch.Tensor) -> torch.Tensor:  # x_t + eps_t, through the scratch (used up)
             finite = out["finite"]
             if scalar_stability and out["inner"] is None:
-                out["inner"] = _dot(v.flats, previous)  # <v_t, v_{t-1}>, before v_{t-1}'s copy is used up
+                out["inner"] = _dot(v.flats, previous)  # VASSO's <v_t, v_{t-1}>, before its copy is used up
             if adaptive:  # T^2 v_t / ||T v_t||, 0 if not finite; with ||eps_t|| and ASAM's stability inner product
                 last_ascent = lists.flat_previous_ascent.flats if buffered_stability else None
                 scaled_norm, unit, unit_norm, out["inner"] = _adaptive_direction(eta, lists, v, previous, pieces,
@@ -220,7 +228,7 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
                     torch.where(finite, product.mul_(step.rho), last, out=last)
             return unit
 
-        slope_norm, unit = P.rule_(v.views, grads, theta, norm, ascend if step.two_pass else None)
+        slope_norm, unit = P.rule_(slopes, grads, theta, norm, ascend if step.two_pass else None)
     if not step.two_pass:
         return out["finite"], None, None, None
     step.slopes, step.scale, step.slope_norm, step.at_ascent = v.views, unit, slope_norm, True

@@ -56,7 +56,7 @@ class Flat:
     :attr:`plugins.distributed.Layout.counted`); the others get flats of their own, which
     :meth:`counting` leaves out."""
 
-    __slots__ = ("flats", "views", "order", "sizes", "_counting", "_scratch", "_pieces")
+    __slots__ = ("flats", "views", "order", "sizes", "_counting", "_flat_of", "_scratch", "_pieces", "_shaped")
 
     def __init__(self, like: Sequence[torch.Tensor], counted: Optional[Sequence[int]] = None):
         counts = set(range(len(like)) if counted is None else counted)
@@ -70,10 +70,13 @@ class Flat:
         self._counting = [k for k, (_, summed) in enumerate(by_key) if summed]
         self._scratch: List[torch.Tensor] = []
         self._pieces: List[torch.Tensor] = []
+        self._shaped: List[torch.Tensor] = []
+        self._flat_of = [0] * len(like)
         self.views: List[torch.Tensor] = [like[0]] * len(like)
-        for flat, indices in zip(self.flats, by_key.values()):
+        for k, (flat, indices) in enumerate(zip(self.flats, by_key.values())):
             at = 0
             for i in indices:
+                self._flat_of[i] = k
                 t = like[i]
                 self.views[i] = (flat.as_strided(t.shape, t.stride(), at) if not t.is_contiguous()
                                  else flat[at:at + t.numel()].view(t.shape))
@@ -82,6 +85,14 @@ class Flat:
     def counting(self, parts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Those of ``parts`` (one per flat, in :attr:`flats`' order) that this rank sums."""
         return list(parts) if len(self._counting) == len(self.flats) else [parts[k] for k in self._counting]
+
+    def shaped_scratch(self) -> List[torch.Tensor]:
+        """Inside :meth:`scratch`: its tensors as views with ``like``'s shapes and strides, in
+        ``like``'s order (as :attr:`views` are of :attr:`flats`), made once."""
+        if not self._shaped:
+            self._shaped = [self._scratch[k].as_strided(v.shape, v.stride(), v.storage_offset())
+                            for k, v in zip(self._flat_of, self.views)]
+        return self._shaped
 
     @contextlib.contextmanager
     def scratch(self) -> Iterator[Tuple[List[torch.Tensor], List[torch.Tensor]]]:

@@ -649,6 +649,10 @@ def test_host_cost_counts_the_optimizers_own_work():
     # flat buffer (an inner product and a where more, within VASSO's 26); ASAM as well, its T = |x| + eta
     # over one flat buffer (no goal on its ops: its host path took one op or more per tensor, 275 on 120)
     assert ops["SAM"]["ops"] <= 21 and ops["VASSO"]["ops"] <= 26 and ops["eVASSO"]["ops"] <= 26, ops
+    # the traffic's ceiling as it stands (19 and 22 model sizes on this model, plus its small
+    # tensors' scalars): SAM takes g_t into the scratch, the slope buffer keeps v_{t-1} for the where,
+    # so SAM copies one model's size less than VASSO, whose average is in place
+    assert ops["SAM"]["traffic"] < 20.5 and ops["VASSO"]["traffic"] < 23.5, ops
     assert ops["ASAM"]["ops"] <= 40, ops
     assert ops["SAM"]["syncs"] == ops["VASSO"]["syncs"] == ops["eVASSO"]["syncs"] == ops["ASAM"]["syncs"] == 1, ops
     t = host.host_time(model_cfg=TINY_FLOOR_MODEL, rounds=2, steps=1, warmup=1)
