@@ -224,8 +224,8 @@ class StepLists:
         self.base_stepped = False
         # a step may be decided on the device: one device, dense local parts, one process,
         # replicas, DTensors on one mesh (FSDP2, HSDP, tensor parallelism beside them) or flat
-        # shards the model gathers (the sums all-reduced on the device); SharpnessAware._decides_on_device adds what the
-        # step's options allow
+        # shards the model gathers (the sums all-reduced on the device);
+        # SharpnessAware._decides_on_device adds what the step's options allow
         split = (layout.sharded or (layout.partitioned and layout.model_gathers)
                  if layout.collective else not layout.sharded)
         self.on_device = (bool(params) and split and len({q.device for q in locals_}) == 1
