@@ -25,9 +25,10 @@ test BLEU is that of the last checkpoint, the model the training budget ends wit
    are the same for every run, the seed is fairseq's ``--seed``; and the rounding control
    (``--control``): one more run of SAM seed 1 with every initial weight one float up
    (``nudged_train.py`` beside this file). Every fairseq process runs on ``--threads``
-   torch threads (1), whatever the number of cores, with the CPU kernels pinned
-   (``plugins.lab.pinned_kernels``), so the same command gives the same numbers on any
-   AMD x86-64 machine with AVX2 and the same torch build;
+   torch threads (1), whatever the number of cores; on an AMD x86-64 CPU with AVX2 with
+   the CPU kernels pinned (``plugins.lab.pinned_kernels``), so that the same command gives
+   the same numbers on any such machine with the same torch build (elsewhere the pin would
+   not reproduce them, and the CPU's own kernels are 1.5-2.5x faster);
 4. scores each run's ``checkpoint_last.pt`` with ``vasso-bleu``'s own loop (``fairseq_vasso.nmt.bleu.score``)
    (``fairseq-generate --beam 5 --remove-bpe``, with the length limits of fairseq
    README's validation BLEU, ``--max-len-a 1.2 --max-len-b 10``: fairseq's tokenized
@@ -129,8 +130,9 @@ def quiet_children_env(env=None):
 def child_env(threads, env=None, cpu=False):
     """The environment of every process the demo starts (fairseq-train, fairseq-generate):
     ``threads`` torch threads, whatever the number of cores (torch splits its sums by
-    thread, so the count decides the rounding), the CPU kernels pinned where they can be
-    (plugins.lab.pinned_kernels: the same numbers on every AMD x86-64 CPU with AVX2), and
+    thread, so the count decides the rounding), the CPU kernels pinned on the CPUs the
+    report's numbers were measured on (plugins.lab.pinned_kernels: the same numbers on every
+    AMD x86-64 CPU with AVX2; elsewhere the CPU's own, faster kernels), and
     quiet_children_env's filters; with ``cpu`` (``--cpu``), no GPU visible
     (recipe.cpu_only_env: stock fairseq's ``--cpu`` still takes its gradient norm through a
     visible GPU)."""
@@ -139,7 +141,7 @@ def child_env(threads, env=None, cpu=False):
 
     env = quiet_children_env(dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads),
                                   MKL_NUM_THREADS=str(threads)))
-    if pinned_kernels.unavailable() is None:
+    if pinned_kernels.unmeasured() is None:  # elsewhere the pin costs 1.5-2.5x and reproduces nothing
         env = pinned_kernels.pinned_env(env, threads)
     return cpu_only_env(env) if cpu else env
 
