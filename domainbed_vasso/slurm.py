@@ -82,6 +82,10 @@ def check_slurm():
     if missing:
         raise SlurmLauncherError(f"--command_launcher slurm needs Slurm's {', '.join(missing)} on PATH "
                                  "(run the sweep on a Slurm login node)")
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # squeue would retry it for 60 s before saying so
+        raise SlurmLauncherError(f"SLURM_CONF={conf} is not a file: point it at the cluster's slurm.conf, "
+                                 "or unset it for Slurm's default")
     try:
         probe = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
                                timeout=60)

@@ -181,7 +181,7 @@ QUICK_START = (QUICK_CORPUS, QUICK_PREPROCESS, QUICK_TRAIN, QUICK_BLEU)
 # the quick start runs after the line that docs/fairseq.md gives to pin the CPU kernels where its
 # stated BLEU applies (pinned_kernels.unmeasured() is None), so that it gives that BLEU
 # (test_quick_start_bleu_is_the_documented_one); elsewhere that test checks that it learns, and
-# the pin would make it 2.5x slower (an Intel CPU) for nothing
+# the pin would make it 2x slower (an Intel Xeon) for nothing
 QUICK_PIN = [pinned_kernels.EXPORT] if pinned_kernels.unmeasured() is None else []
 # docs/distributed.md: DDP, FSDP2 and ZeRO on 2 gloo ranks, each checkpointed and resumed
 DIST_EXAMPLE = ".venv/bin/torchrun --nproc_per_node 2 scripts/distributed_example.py --out runs/distributed"

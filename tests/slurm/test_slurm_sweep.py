@@ -122,8 +122,11 @@ def test_interrupted_sweep_resumes_only_unfinished_jobs(slurm, tmp_path):
     env = slurm["env"]
     out = tmp_path / "sweep"
     held = json.dumps({"slurm_additional_parameters": {"hold": True}})
-    # one job per test domain (3): each runs at most twice, as with the 6 of a whole sweep
-    sweep("launch", out, env, "--single_test_envs", DOMAINBED_VASSO_SLURM=held)
+
+    def three(command, **extra_env):  # one job per test domain (a whole sweep has 6): each runs at most twice
+        return sweep(command, out, env, "--single_test_envs", **extra_env)
+
+    three("launch", DOMAINBED_VASSO_SLURM=held)
     first = record(out)
     assert len(first) == 3
     ids = [e["job_id"] for e in first]
@@ -131,18 +134,18 @@ def test_interrupted_sweep_resumes_only_unfinished_jobs(slurm, tmp_path):
     assert {s for s, _ in status_rows(out, env).values()} == {"queued"}
 
     # a second launch while they are queued submits nothing new
-    again = sweep("launch", out, env, "--single_test_envs")
+    again = three("launch")
     assert "About to launch 0 jobs" in again and len(record(out)) == 3
     # nor when a queued job's folder is gone (stock delete_incomplete removes it):
     # the launcher sees its recorded Slurm job and leaves it queued
     victim = first[0]["output_dir"]
     os.rmdir(victim)
-    again = sweep("launch", out, env, "--single_test_envs")
+    again = three("launch")
     assert "About to launch 1 jobs" in again
     assert f"not resubmitting {victim}: its Slurm job {first[0]['job_id']} is queued" in again
     assert len(record(out)) == 3 and len(squeue(env)) == 3
     # delete_incomplete keeps the folders of queued jobs
-    deleted = sweep("delete_incomplete", out, env, "--single_test_envs")
+    deleted = three("delete_incomplete")
     assert deleted.count("keeping ") == 3
     assert job_dirs(out) == sorted(e["output_dir"] for e in first)
 
@@ -161,10 +164,10 @@ def test_interrupted_sweep_resumes_only_unfinished_jobs(slurm, tmp_path):
         before[path] = (open(path, "rb").read(), os.stat(path).st_mtime_ns)
 
     # DomainBed's own recipe: delete_incomplete, then launch
-    deleted = sweep("delete_incomplete", out, env, "--single_test_envs")
+    deleted = three("delete_incomplete")
     assert "About to delete 2 jobs" in deleted and "keeping " not in deleted
     assert not any(os.path.exists(e["output_dir"]) for e in interrupted)
-    relaunch = sweep("launch", out, env, "--single_test_envs")
+    relaunch = three("launch")
     assert "About to launch 2 jobs" in relaunch
     second = record(out)[3:]
     assert sorted(e["output_dir"] for e in second) == sorted(e["output_dir"] for e in interrupted)
@@ -217,17 +220,19 @@ def test_bad_parameters_or_no_slurm_stop_before_any_folder(slurm, tmp_path):
             "--data_dir", str(tmp_path), "--output_dir", str(out)]
     no_slurm = dict(env, PATH=os.path.dirname(PY) + os.pathsep + "/nonexistent")
     # the local Slurm's configuration, its controller moved to a port where nothing listens: a
-    # controller that is down (squeue gives up after ~10 s; a missing file, after 60 s of retries)
-    down = tmp_path / "down.conf"
+    # controller that is down (squeue gives up after ~10 s)
     with open(slurm["conf"]) as f:
-        conf = f.read()
-    assert re.search(r"^SlurmctldPort=\d+$", conf, re.M), conf
-    down.write_text(re.sub(r"^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}", conf, flags=re.M))
-    # four launches refused before any folder, side by side (each is a Python that imports torch
+        conf, moved = re.subn(r"^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}", f.read(), flags=re.M)
+    assert moved == 1, conf
+    down = tmp_path / "down.conf"
+    down.write_text(conf)
+    missing = tmp_path / "missing.conf"
+    # five launches refused before any folder, side by side (each is a Python that imports torch
     # and DomainBed: seconds apiece, all spent before the refusal)
     refusals = [(env, {"DOMAINBED_VASSO_SLURM": "{not json"}, "DOMAINBED_VASSO_SLURM is not valid JSON"),
                 (env, {"DOMAINBED_VASSO_SLURM": '{"slurm_partion": "gpu"}'}, "submitit rejects these parameters"),
                 (no_slurm, {}, "needs Slurm's sbatch, srun, squeue on PATH"),
+                (env, {"SLURM_CONF": str(missing)}, f"SLURM_CONF={missing} is not a file"),
                 (env, {"SLURM_CONF": str(down)}, "Slurm does not answer")]
     with ThreadPoolExecutor(max_workers=len(refusals)) as pool:
         procs = list(pool.map(lambda case: run(args, case[0], **case[1]), refusals))
