@@ -77,16 +77,19 @@ else
     if has fairseq; then
         stage "fairseq present"
     else
-        # Side by side, one extension per core (setuptools' build_ext --parallel, through a config
-        # file of this build only), each compiled by distutils: torch's BuildExtension would use
-        # ninja where it finds one, from one build.ninja in the shared build folder, which two
-        # extensions overwrite (one was linked from an object never built). A stand-in `ninja`
-        # that fails, first on PATH for this build only, makes torch fall back to distutils.
-        # Measured on 2 cores: 235 s, against 350 s one at a time through ninja.
+        # Side by side, one extension more than the cores (setuptools' build_ext --parallel,
+        # through a config file of this build only), each compiled by distutils: torch's
+        # BuildExtension would use ninja where it finds one, from one build.ninja in the shared
+        # build folder, which two extensions overwrite (one was linked from an object never
+        # built). A stand-in `ninja` that fails, first on PATH for this build only, makes torch
+        # fall back to distutils. fairseq lists its three torch extensions (35 to 70 s and up to
+        # 2 GB each) last: one per core left the last of them compiling alone for a minute, one
+        # more keeps the cores busy. Measured on 2 idle cores (pip wheel of the sdist): 179 s
+        # with 2 at once, 160 s with 3; one at a time through ninja took 350 s.
         build_dir=$(mktemp -d "${TMPDIR:-/tmp}/vasso-build.XXXXXX")
         trap 'rm -rf "$build_dir"' EXIT
         cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
-        printf '[build_ext]\nparallel = %d\n' "$((cores < 8 ? cores : 8))" > "$build_dir/build_ext.cfg"
+        printf '[build_ext]\nparallel = %d\n' "$((cores < 8 ? cores + 1 : 8))" > "$build_dir/build_ext.cfg"
         printf '#!/bin/sh\nexit 1\n' > "$build_dir/ninja" && chmod +x "$build_dir/ninja"
         stage "building fairseq-fixed 0.12.3.1 against this torch (4 minutes on 2 idle cores, 6 on busy ones)"
         PATH="$build_dir:$PATH" DIST_EXTRA_CONFIG="$build_dir/build_ext.cfg" \
