@@ -29,7 +29,7 @@ def run_suite(copy, report, node_ids=(), register=True):
         # on a CPU: 86 s for VASSO's alone on 2 idle cores): every algorithm runs on Debug28, and
         # VASSO's step on a ResNet-50 is test_domainbed_end_to_end.py's
         # test_one_vasso_step_on_debug224_resnet50_without_weights, through DomainBed's train.py
-        DOMAINBED_VASSO_RESNET_WEIGHTS="none", VASSO_SUITE_DEBUG224="",
+        DOMAINBED_VASSO_RESNET_WEIGHTS="none", VASSO_SUITE_DEBUG224="0",
         VASSO_SUITE_REGISTER="1" if register else "0")
     # no DATA_DIR: DomainBed skips the tests that need downloaded data sets, as anywhere without them
     targets = list(node_ids) or [str(copy / "domainbed" / "test")]
@@ -75,7 +75,7 @@ def test_domainbeds_own_suite_passes_after_register(tmp_path):
     algorithms = json.loads(check.stdout.splitlines()[-1])
     assert algorithms[-3:] == list(OURS)
     init_update = [n for n in result if "test_init_update_predict" in n]
-    assert len(init_update) == len(algorithms) and not [n for n in init_update if n.endswith("_Debug224")]
+    assert len(init_update) == len(algorithms) and not any(n.endswith("_Debug224") for n in init_update)
     names = [f"test_init_update_predict_{i:02d}_Debug28" for i in range(len(algorithms) - 3, len(algorithms))]
     for name in names:
         node = f"domainbed/test/test_models.py::TestAlgorithms::{name}"
