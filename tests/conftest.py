@@ -45,31 +45,31 @@ from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, py
 # commands that each import torch): started first, in this order. A name that no longer exists
 # fails the session (pytest_configure), so that the list follows the files.
 LONGEST_FIRST = [
-    "tests/docs/test_docs_commands.py",  # 633
-    "tests/scripts/test_demo.py",  # 516 with test_eval_bleu.py (SAME_WORKER): demo_run, a nudged train, a resume
-    "tests/slurm/test_slurm_sweep.py",  # 447
+    "tests/docs/test_docs_commands.py",  # 773
+    "tests/scripts/test_demo.py",  # 677 with test_eval_bleu.py (SAME_WORKER): demo_run, a nudged train, a resume
+    "tests/slurm/test_slurm_sweep.py",  # 473
+    "tests/fairseq/test_fairseq_sharding.py",  # 282
+    "tests/domainbed/test_domainbed_end_to_end.py",  # 250
     "tests/scripts/test_demo_readme.py",  # 233 on AMD (one demo run of 320 updates); skips elsewhere
-    "tests/fairseq/test_fairseq_sharding.py",  # 227
-    "tests/domainbed/test_domainbed_end_to_end.py",  # 182
-    "tests/domainbed/test_domainbed_own_suite.py",  # 172
-    "tests/fairseq/test_fairseq_own_suite.py",  # 147
-    "tests/domainbed/test_domainbed_entry_points.py",  # 113
-    "tests/distributed/test_sharded_step.py",  # 89
-    "tests/domainbed/test_domainbed_hparam_keys.py",  # 88
-    "tests/fairseq/test_fairseq_fp16.py",  # 84
-    "tests/fairseq/test_fairseq_distributed.py",  # 80
-    "tests/test_gpu_marker.py",  # 71
-    "tests/domainbed/test_domainbed_register.py",  # 67
-    "tests/distributed/test_state_checkpoints.py",  # 66
-    "tests/fairseq/test_fairseq_hooks.py",  # 60
-    "tests/distributed/test_sharded_checks.py",  # 57
-    "tests/test_test_command.py",  # 57
-    "tests/selftest/test_selftest_command.py",  # 54
-    "tests/scripts/test_gpu_offline_install.py",  # 47
-    "tests/digits/test_digits.py",  # 45
-    "tests/distributed/test_flat_shards.py",  # 43
-    "tests/fairseq/test_fairseq_foreign_warnings.py",  # 38
-    "tests/bench/test_device.py",  # 36
+    "tests/fairseq/test_fairseq_own_suite.py",  # 157
+    "tests/domainbed/test_domainbed_own_suite.py",  # 130
+    "tests/domainbed/test_domainbed_entry_points.py",  # 99
+    "tests/fairseq/test_fairseq_fp16.py",  # 88
+    "tests/test_gpu_marker.py",  # 74
+    "tests/domainbed/test_domainbed_register.py",  # 74
+    "tests/domainbed/test_domainbed_hparam_keys.py",  # 73
+    "tests/distributed/test_sharded_step.py",  # 64
+    "tests/selftest/test_selftest_command.py",  # 59
+    "tests/distributed/test_state_checkpoints.py",  # 57
+    "tests/distributed/test_sharded_checks.py",  # 52
+    "tests/fairseq/test_fairseq_hooks.py",  # 47
+    "tests/scripts/test_gpu_offline_install.py",  # 42
+    "tests/fairseq/test_fairseq_distributed.py",  # 41
+    "tests/fairseq/test_fairseq_foreign_warnings.py",  # 37
+    "tests/distributed/test_flat_shards.py",  # 33
+    "tests/digits/test_digits.py",  # 30
+    "tests/test_test_command.py",  # 29
+    "tests/bench/test_device.py",  # 23
 ]
 # Files whose tests share a session fixture of minutes: one worker runs them all, one after the
 # other (tests/scripts/conftest.py's demo_run)
