@@ -51,14 +51,15 @@ class Diagnostics(MutableMapping):
     def later(self, keys: Sequence[str], compute: Callable[[], torch.Tensor]) -> None:
         """``keys`` get the entries of the 1-D device tensor ``compute()`` returns, computed
         only when someone reads the diagnostics: a step decided on the device launches no
-        kernel for diagnostics nobody reads (:mod:`plugins.ondevice`)."""
+        kernel for diagnostics nobody reads (:mod:`plugins.ondevice`).  A key given again
+        takes the later function's value; a value set directly after either wins."""
         for key in keys:
             self._values[key] = _LATER
         self._later.append((tuple(keys), compute))
 
     def _compute_later(self) -> None:
         later, self._later = self._later, []
-        for keys, compute in later:
+        for keys, compute in reversed(later):  # a key given again later takes its later value
             self._values.update((k, v) for k, v in zip(keys, compute().unbind(0)) if self._values.get(k) is _LATER)
 
     def __getstate__(self):  # a copy or pickle holds values, not the functions that compute them

@@ -347,6 +347,8 @@ class SharpnessAware(torch.optim.Optimizer):
             device_step.forget_slopes(step, self._own_state)
         if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
             self._verdicts.send(self._step - 1, code, step.scaled)
+            # and the diagnostics say so when read: h_t's verdict or the scaler's too, not only g_t's
+            step.diagnostics.later(("nonfinite",), lambda: (code > 0).double().reshape(1))
             return None
         if read:
             self._skip_nonfinite(ondevice.Verdicts.WHICH[read], step.scaled)

@@ -156,6 +156,21 @@ def test_a_skipped_step_is_counted_when_its_verdict_arrives_warned_with_its_own_
     assert pending.waits == 3  # 5, 6 and 7: nonfinite_steps waits for every verdict on its way
 
 
+@pytest.mark.parametrize("which", ["first-pass", "second-pass"])
+def test_the_diagnostics_of_a_step_skipped_on_the_device_say_so_when_read(pending, which):
+    # the step's own verdict, read with its diagnostics (one read), before it reaches the counter:
+    # a non-finite h_t skips a step as surely as a non-finite g_t does (docs/diagnostics.md)
+    model, opt, batches = fused_sam()
+    for x, y in batches[:3]:
+        opt.step(closure_for(opt, model, x, y))
+    skipped_step(opt, model, *batches[3], which)  # step 4: skipped on the device
+    with quiet():
+        assert opt.diagnostics["nonfinite"] == 1.0, dict(opt.diagnostics)
+        opt.step(closure_for(opt, model, *batches[4]))  # step 5, taken, while step 4's verdict is on its way
+        assert opt.diagnostics["nonfinite"] == 0.0
+    assert 4 in pending.pending() and pending.waits == 0
+
+
 def test_each_late_verdict_is_warned_about_with_its_own_step(pending):
     model, opt, batches = fused_sam()
     for x, y in batches[:3]:
