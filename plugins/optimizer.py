@@ -332,11 +332,23 @@ class SharpnessAware(torch.optim.Optimizer):
             return self._descend_on_device(step, grad_scale, found_inf)
         if step.kind is Kind.NONFINITE:
             return False
+        if self._base_takes_verdict(step):  # g_t was found finite by perturb()'s read; h_t's stays on the device
+            zero = step.lists.constants()[0]
+            step.finite, step.found_inf = torch.ones((), dtype=torch.bool, device=zero.device), zero.clone()
+            return self._descend_on_device(step, grad_scale, found_inf)
         if not host_step.descend(step, grad_scale, found_inf):  # one host read: is h_t finite?
             self._skip_nonfinite("second-pass", step.scaled)
             return False
         self._base_step()
         return True
+
+    def _base_takes_verdict(self, step: StepInFlight) -> bool:
+        """A two-pass step perturb() decided by a host read (ZeRO/OSS, a hand split) whose base
+        takes ``h_t``'s verdict on the device (a fused base that has stepped over these
+        parameters, on one device), unless diagnostics' sums wait for descend()'s reduction."""
+        lists = step.lists
+        return (self._decide_on_device and step.kind is Kind.PERTURBED and lists.one_device and not step.deferred
+                and lists.base_stepped and ondevice.takes_found_inf(self.base_optimizer))
 
     def _descend_on_device(self, step: StepInFlight, grad_scale: Optional[torch.Tensor],
                            found_inf: Optional[torch.Tensor]) -> Optional[bool]:

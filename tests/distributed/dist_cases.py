@@ -767,10 +767,63 @@ def one_rank_nonfinite():
     return out
 
 
+def zero_over_a_fused_base():
+    """ZeroRedundancyOptimizer over fused AdamW, which takes torch's ``found_inf``: perturb()
+    decides by its one host read (the exchange's), and h_t's verdict reaches the base on the
+    device.  {kind: (relative error against one process over fused AdamW, each step's
+    counted_steps, nonfinite_steps and the diagnostic of a run whose rank 0 alone has a NaN
+    in h_t at step 3, whether that run's weights are finite)}."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
+    except (RuntimeError, TypeError, ValueError) as exc:  # no CPU fused AdamW in this torch
+        return str(exc)
+    data = (batches(dist.get_world_size()) * 2)[:5]
+    out = {}
+    for kind in ("SAM", "VASSO", "GSAM", "V+G"):
+        cls, knobs = VARIANTS[kind]
+        ref_model = make_model()
+        run(build(kind, ref_model.parameters(), fused=True), ref_model, data, "explicit", read=False)
+
+        def zero_over(model):
+            return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.AdamW,
+                                           partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, fused=True, **knobs)
+        model = DDP(make_model())
+        zero = zero_over(model)
+        counts = counted_steps(zero, model, my_slice(data), "explicit", finish=zero.step, explicit_opt=zero.optim)
+        error = compare([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
+
+        model = DDP(make_model())
+        zero = zero_over(model)
+        for t, (x, y) in enumerate(my_slice(data)):
+            rng = rng_state()
+            zero.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if zero.optim.perturb():
+                zero.zero_grad()
+                with zero.optim.second_pass(model, rng):
+                    F.cross_entropy(model(x), y).backward()
+                if t == 3 and dist.get_rank() == 0:
+                    next(model.parameters()).grad.view(-1)[0] = float("nan")  # this rank's h_t only
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                zero.step()
+            if t == 3:
+                flagged = zero.optim.diagnostics["nonfinite"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            skipped = zero.optim.nonfinite_steps
+        weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[kind] = (error, counts, skipped, flagged, bool(torch.isfinite(weights).all()))
+    return out
+
+
 def two_rank_checks():
     """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
     wrong use."""
     return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
             "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change(),
             "exchange fallbacks": exchange_fallbacks(), "late owner": late_owner(),
-            "one rank non-finite": one_rank_nonfinite()}
+            "one rank non-finite": one_rank_nonfinite(), "ZeRO over a fused base": zero_over_a_fused_base()}

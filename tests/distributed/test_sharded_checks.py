@@ -66,6 +66,25 @@ def test_the_host_waits_of_a_step_on_every_path(ranks):
     assert settings == {"DDP", "FSDP2", "ZeRO", "flat shards"}, settings  # torch >= 2.6 here: FSDP1 runs on CPUs
 
 
+def test_zero_over_a_fused_base_reads_the_host_once_per_step(ranks):
+    """ZeroRedundancyOptimizer over fused AdamW (torch's found_inf): after its first two-pass
+    step (which builds the exchange and takes the base's first step, read on the host), a
+    step reads the host once, in perturb() (the exchange's sums); h_t's verdict is every
+    rank's (one all_reduce, which blocks on gloo, not on NCCL) and reaches the base on the
+    device.  It gives the one-process weights; a NaN in rank 0's h_t alone skips the step on
+    both ranks, counted, and its diagnostics say so."""
+    for rank in ranks:
+        cases = rank["ZeRO over a fused base"]
+        if isinstance(cases, str):
+            pytest.skip(f"no CPU fused AdamW in this torch: {cases}")
+        for kind, (error, steps, skipped, flagged, finite) in cases.items():
+            assert error <= 1e-5, (kind, error)
+            assert all(step[1] for step in steps), kind
+            for t, (waits, _, events, *_) in enumerate(steps[1:], start=1):
+                assert events.count("read") == 1 and waits == 2, (kind, t, waits, events)
+            assert skipped == 1 and flagged == 1.0 and finite, (kind, skipped, flagged, finite)
+
+
 def test_low_precision_vasso_takes_the_norm_of_d_t_as_rounded(ranks):
     """VASSO with bf16 parameters (d_t rounded to bf16 after its update).  DDP's replicas
     decide on the device, as one process does: one wait per step after its first (the
