@@ -83,9 +83,10 @@ def _last_on(last: Optional[torch.Tensor], like: torch.Tensor, adaptive: bool) -
 
 def descend(step: StepInFlight, base_optimizer: torch.optim.Optimizer, grad_scale: Optional[torch.Tensor],
             found_inf: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[int]]:
-    """``descend()``'s base step for a step decided on the device (parameters back at ``x_t``
-    already): the verdict on ``g_t`` and ``h_t`` goes to the base optimizer as torch's
-    ``found_inf`` (:func:`verdict_`; GSAM's correction on the way).  Under a scaler,
+    """``descend()``'s base step for a step decided on the device, or on the host under
+    ``partition_group`` over a fused base (parameters back at ``x_t`` already): the verdict
+    on ``g_t`` and ``h_t`` goes to the base optimizer as torch's ``found_inf``
+    (:func:`verdict_`; GSAM's correction on the way).  Under a scaler,
     ``found_inf`` is the scaler's verdict on ``.grad`` and ``grad_scale`` the scale ``.grad``
     still carries.  Returns the verdict's code (0 taken, 1 ``h_t`` or the scaler's, 2 ``g_t``)
     and, where the host had to read it (a base that takes no ``found_inf``), its value."""
@@ -93,18 +94,31 @@ def descend(step: StepInFlight, base_optimizer: torch.optim.Optimizer, grad_scal
     zero, one, two = lists.constants()
     layout = lists.layout
     grads = [h for h in lists.local_grads(missing_ok=True) if h is not None]
-    gsam = step.kind is Kind.PERTURBED and step.knobs.gsam_alpha > 0.0 and step.rho > 0.0 and grads  # rho 0: h == g
+    # rho 0: h == g; a rank without gradients joins the ranks' sums all the same (partition_group)
+    gsam = (step.kind is Kind.PERTURBED and step.knobs.gsam_alpha > 0.0 and step.rho > 0.0
+            and bool(grads or layout.collective))
+    # a step perturb() decided on the host, across ranks: its diagnostics' partial sums
+    # (plugins.diagnostics.Deferred) ride along with the verdict's all_reduce
+    deferred = step.deferred[0] if step.deferred else None
     verdict = verdict_(step.found_inf, found_inf, grads, grad_scale, one, zero,
-                       check=step.kind is Kind.PERTURBED, layout=None if gsam else layout)
+                       check=step.kind is Kind.PERTURBED, layout=None if gsam or deferred else layout)
+    parts = None
     if gsam:
         second, firsts, plan = step.second_grads()
         sums = Sums().norm("h", second).inner("g_dot_h", firsts, second)
         if layout.collective:  # the ranks' verdicts ride along with GSAM's sums: one all_reduce
-            h_norm, g_dot_h, verdict = sums.reduce(plan, layout=layout, extra={"verdict": verdict}).unbind(0)
-            verdict = torch.where(verdict > 0, one, zero)
+            extra = {"verdict": verdict, **({"deferred": deferred.sums()} if deferred else {})}
+            values = sums.reduce(plan, layout=layout, extra=extra)
+            h_norm, g_dot_h, verdict, parts = values[0], values[1], torch.where(values[2] > 0, one, zero), values[3:]
         else:
             h_norm, g_dot_h = sums.reduce(plan).unbind(0)
-        step.gsam_correct(second, firsts, h_norm, g_dot_h)  # h_t - alpha g_t^perp
+        if second:
+            step.gsam_correct(second, firsts, h_norm, g_dot_h)  # h_t - alpha g_t^perp
+    elif deferred:
+        values = layout.all_reduce(torch.cat([verdict.reshape(1).double(), deferred.sums()]))
+        verdict, parts = torch.where(values[0] > 0, one, zero), values[1:]
+    if deferred:
+        deferred.finish(parts.unbind(0), *step.deferred[1:])
     code = torch.where(step.finite, verdict, two)
     read = ondevice.base_step(base_optimizer, verdict, code, stepped_before=lists.base_stepped and not step.fresh)
     lists.base_stepped = lists.base_stepped or read == 0

@@ -130,7 +130,8 @@ def empty() -> Diagnostics:
 class Deferred:
     """Diagnostics whose partial sums cross ranks: each is reduced with the step's last
     reduction (``descend()``'s) instead of a collective of its own, then finished by its
-    function from the summed value.  Empty where the sums do not cross ranks."""
+    function from the summed value (a float after a host read, else a 0-dim device tensor,
+    read with the other diagnostics).  Empty where the sums do not cross ranks."""
 
     __slots__ = ("parts", "finishers")
 
@@ -177,9 +178,10 @@ def mean_over_ranks(diag: Diagnostics, key: str, value, group, device) -> None:
     diag.wait_for(torch.distributed.all_reduce(value, group=group, async_op=True))
 
 
-def root(value: float) -> float:
-    """A norm from its globally summed square (clamped at 0 for rounding)."""
-    return math.sqrt(max(value, 0.0))
+def root(value):
+    """A norm from its globally summed square (clamped at 0 for rounding); a tensor for a
+    tensor (no host read)."""
+    return value.clamp(min=0.0).sqrt() if torch.is_tensor(value) else math.sqrt(max(value, 0.0))
 
 
 # ---------------------------------------------------------------------- a step's diagnostics
@@ -198,9 +200,9 @@ def of_ascent(step, rho: float, adaptive: bool, scaled_slope_norm, deferred: Opt
         return reductions.global_norm(step.eps, lists.plan, lists.layout), sharpness
 
     def finish(value, diag, last):
-        diag["ascent_norm"] = root(value)
+        diag["ascent_norm"] = norm = root(value)
         if last is not None:  # the step's record of its ascent (plugins.perturbation.last_ascent_norm)
-            last[2:].fill_(diag["ascent_norm"])
+            last[2:].fill_(norm)
     deferred.add(reductions.Sums().norm("eps", step.eps).local(lists.plan, lists.layout), finish)
     return _NAN, sharpness
 

@@ -320,6 +320,8 @@ class AscentExchange:
         dist = torch.distributed
         self.group = group
         self.params = model_params
+        # the model (the same on every rank) on one device: a decision every rank takes alike
+        self.one_device = len({p.device for p in model_params}) <= 1
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         device = model_params[0].device if model_params else torch.device("cpu")

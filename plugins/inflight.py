@@ -193,7 +193,7 @@ class StepLists:
     fp16/bf16, and the per-parameter buffer lists (filled on first use)."""
 
     __slots__ = ("params", "names", "layout", "plan", "mask", "low_precision", "fuse_average_norm",
-                 "buffers", "flat_slope", "flat_previous_ascent", "storage_params", "on_device", "one_device", "pointers",
+                 "buffers", "flat_slope", "flat_previous_ascent", "storage_params", "on_device", "pointers",
                  "base_stepped", "_constants")
 
     def __init__(self, params: List[torch.Tensor], names: List[Optional[str]], adaptive: bool, layout: D.Layout):
@@ -228,8 +228,8 @@ class StepLists:
         # SharpnessAware._decides_on_device adds what the step's options allow
         split = (layout.sharded or (layout.partitioned and layout.model_gathers)
                  if layout.collective else not layout.sharded)
-        self.one_device = bool(params) and len({q.device for q in locals_}) == 1 and all(map(ondevice.dense, locals_))
-        self.on_device = self.one_device and split
+        self.on_device = (bool(params) and split and len({q.device for q in locals_}) == 1
+                          and all(map(ondevice.dense, locals_)))
         # where the parameters' data lie: the flat buffer mirrors their strides and storage_params alias
         # their storage, so a parameter whose .data is replaced (module.to(memory_format=...)) must
         # not find these lists again (checked by the optimizer's cache)

@@ -343,12 +343,14 @@ class SharpnessAware(torch.optim.Optimizer):
         return True
 
     def _base_takes_verdict(self, step: StepInFlight) -> bool:
-        """A two-pass step perturb() decided by a host read (ZeRO/OSS, a hand split) whose base
-        takes ``h_t``'s verdict on the device (a fused base that has stepped over these
-        parameters, on one device), unless diagnostics' sums wait for descend()'s reduction."""
-        lists = step.lists
-        return (self._decide_on_device and step.kind is Kind.PERTURBED and lists.one_device and not step.deferred
-                and lists.base_stepped and ondevice.takes_found_inf(self.base_optimizer))
+        """A two-pass step perturb() decided by a host read under partition_group (ZeRO/OSS, a
+        hand split) whose base takes ``h_t``'s verdict on the device: a fused base, the model on
+        one device.  Every rank decides alike (the verdict's all_reduce is every rank's): the
+        exchange is the model's, not this rank's part; a base's first step reads the verdict on
+        the host all the same (:func:`plugins.ondevice.base_step`)."""
+        exchange = self._exchange.get("exchange") if self._exchanges else None
+        return (self._decide_on_device and step.kind is Kind.PERTURBED and exchange is not None
+                and exchange.one_device and ondevice.takes_found_inf(self.base_optimizer))
 
     def _descend_on_device(self, step: StepInFlight, grad_scale: Optional[torch.Tensor],
                            found_inf: Optional[torch.Tensor]) -> Optional[bool]:

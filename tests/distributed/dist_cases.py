@@ -770,9 +770,11 @@ def one_rank_nonfinite():
 def zero_over_a_fused_base():
     """ZeroRedundancyOptimizer over fused AdamW, which takes torch's ``found_inf``: perturb()
     decides by its one host read (the exchange's), and h_t's verdict reaches the base on the
-    device.  {kind: (relative error against one process over fused AdamW, each step's
-    counted_steps, nonfinite_steps and the diagnostic of a run whose rank 0 alone has a NaN
-    in h_t at step 3, whether that run's weights are finite)}."""
+    device, with ASAM's deferred diagnostics' sums.  {kind: (relative error against one
+    process over fused AdamW, each step's counted_steps, the diagnostics of a run whose rank
+    0 alone has a NaN in h_t at step 3 (steps 0-2) beside one process's, that step's
+    ``nonfinite``, nonfinite_steps, whether its weights are finite, and the relative error of
+    a hand split whose rank 1 holds no gradient before step LATE)}."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -781,11 +783,12 @@ def zero_over_a_fused_base():
     except (RuntimeError, TypeError, ValueError) as exc:  # no CPU fused AdamW in this torch
         return str(exc)
     data = (batches(dist.get_world_size()) * 2)[:5]
+    keys = ("ascent_norm", "sharpness", "stability")
     out = {}
-    for kind in ("SAM", "VASSO", "GSAM", "V+G"):
+    for kind in ("SAM", "VASSO", "GSAM", "V+G", "ASAM"):
         cls, knobs = VARIANTS[kind]
         ref_model = make_model()
-        run(build(kind, ref_model.parameters(), fused=True), ref_model, data, "explicit", read=False)
+        ref_diags = run(build(kind, ref_model.parameters(), fused=True), ref_model, data, "explicit")
 
         def zero_over(model):
             return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.AdamW,
@@ -797,6 +800,7 @@ def zero_over_a_fused_base():
 
         model = DDP(make_model())
         zero = zero_over(model)
+        diags = []
         for t, (x, y) in enumerate(my_slice(data)):
             rng = rng_state()
             zero.zero_grad()
@@ -812,11 +816,34 @@ def zero_over_a_fused_base():
                 zero.step()
             if t == 3:
                 flagged = zero.optim.diagnostics["nonfinite"]
+            else:
+                diags.append([float(zero.optim.diagnostics[k]) for k in keys])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             skipped = zero.optim.nonfinite_steps
         weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        out[kind] = (error, counts, skipped, flagged, bool(torch.isfinite(weights).all()))
+        diags = (diags[:3], [[d[k] for k in keys] for d in ref_diags[:3]])
+
+        # split by hand, rank 1 (the branch's owner) holding no gradient before step LATE: the
+        # ranks still decide alike whether the base takes the verdict (one all_reduce each)
+        ref_model = LateBranch()
+        ref_opt = build(kind, ref_model.parameters(), fused=True)
+        for t, batch in enumerate(data):
+            ref_model.on = t >= LATE
+            run(ref_opt, ref_model, [batch], "explicit", read=False)
+        model = LateBranch()
+        owner = {id(p): 0 for p in model.body.parameters()} | {id(p): 1 for p in model.extra.parameters()}
+        opt = cls([p for p in model.parameters() if owner[id(p)] == dist.get_rank() % 2], torch.optim.AdamW,
+                  rho=0.2, lr=1e-2, partition_group=dist.group.WORLD, fused=True, **knobs)
+
+        def descend_and_sync():  # each owner sends its parameters, as ZeRO's step does after ours
+            opt.descend()
+            for p in model.parameters():
+                dist.broadcast(p.data, src=owner[id(p)])
+        counted_steps(opt, model, data, "explicit", finish=descend_and_sync,
+                      before_step=lambda t: setattr(model, "on", t >= LATE))
+        hand_error = compare([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
+        out[kind] = (error, counts, diags, flagged, skipped, bool(torch.isfinite(weights).all()), hand_error)
     return out
 
 
