@@ -284,10 +284,10 @@ def counted_steps(opt, model, data, api, *, before_step=None, **kw):
     return counts
 
 
-def _zero(kind, params, **extra):
+def _zero(kind, params, base=torch.optim.SGD, **extra):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     cls, knobs = VARIANTS[kind]
-    return ZeroRedundancyOptimizer(params, optimizer_class=cls, base_optimizer=torch.optim.SGD,
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, base_optimizer=base,
                                    partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs, **extra)
 
 
@@ -387,14 +387,37 @@ class LateBranch(torch.nn.Module):
         return out + self.extra(x) if self.on else out
 
 
-def late_branch_reference(kind, data):
+def late_branch_reference(kind, data, base=torch.optim.SGD, **extra):
     """One process's weights after ``data`` on a LateBranch whose branch joins at step LATE."""
     ref_model = LateBranch()
-    ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+    ref_opt = build(kind, ref_model.parameters(), base, **extra)
     for t, batch in enumerate(data):
         ref_model.on = t >= LATE
         run(ref_opt, ref_model, [batch], "explicit")
     return [p.detach().clone() for p in ref_model.parameters()]
+
+
+def owners_send(opt, model, owner):
+    """``finish`` of a hand split's step: ``opt.descend()``, then each owner sends its
+    parameters (``owner``: rank by ``id``), as ZeRO's step does after ours."""
+    def descend_and_send():
+        opt.descend()
+        for p in model.parameters():
+            dist.broadcast(p.data, src=owner[id(p)])
+    return descend_and_send
+
+
+def late_branch_split_by_hand(kind, data, base=torch.optim.SGD, **extra):
+    """A LateBranch split by hand over partition_group: rank 0 optimizes the body, rank 1
+    the branch, so rank 1 holds no gradient before step LATE and its set alone changes
+    there.  Returns the model after ``data`` and each step's counted_steps."""
+    model = LateBranch()
+    owner = {id(p): 0 for p in model.body.parameters()} | {id(p): 1 for p in model.extra.parameters()}
+    opt = build(kind, [p for p in model.parameters() if owner[id(p)] == dist.get_rank() % 2], base,
+                partition_group=dist.group.WORLD, **extra)
+    counts = counted_steps(opt, model, data, "explicit", finish=owners_send(opt, model, owner),
+                           before_step=lambda t: setattr(model, "on", t >= LATE))
+    return model, counts
 
 
 def gradient_set_change():
@@ -425,20 +448,7 @@ def gradient_set_change():
                                before_step=lambda t: setattr(model, "on", t >= LATE))
         out[("ZeRO", kind)] = (compare(full(model.parameters()), ref), counts)
 
-        # split by hand: rank 0 optimizes the body, rank 1 the branch, so rank 1 holds no
-        # gradient before step LATE and its set alone changes there
-        model = LateBranch()
-        owner = {id(p): 0 for p in model.body.parameters()} | {id(p): 1 for p in model.extra.parameters()}
-        cls, knobs = VARIANTS[kind]
-        mine = [p for p in model.parameters() if owner[id(p)] == dist.get_rank() % 2]
-        opt = cls(mine, torch.optim.SGD, rho=0.2, lr=1e-2, partition_group=dist.group.WORLD, **knobs)
-
-        def descend_and_sync():  # what ZeRO's step does after ours: each owner sends its parameters
-            opt.descend()
-            for p in model.parameters():
-                dist.broadcast(p.data, src=owner[id(p)])
-        counts = counted_steps(opt, model, data, "explicit", finish=descend_and_sync,
-                               before_step=lambda t: setattr(model, "on", t >= LATE))
+        model, counts = late_branch_split_by_hand(kind, data)
         out[("hand-split", kind)] = (compare(full(model.parameters()), ref), counts)
     return out
 
@@ -500,20 +510,16 @@ def late_owner():
         model = LateBranch()
         owner = ({id(p): 0 for p in model.body[0].parameters()} | {id(p): 1 for p in model.body[2].parameters()}
                  | {id(p): 1 for p in model.extra.parameters()})
-        cls, knobs = VARIANTS[kind]
-        opt = cls([p for p in model.body.parameters() if owner[id(p)] == rank], torch.optim.SGD, rho=0.2,
-                  lr=1e-2, partition_group=dist.group.WORLD, **knobs)
+        opt = build(kind, [p for p in model.body.parameters() if owner[id(p)] == rank], torch.optim.SGD,
+                    partition_group=dist.group.WORLD)
 
         def before_step(t):
             model.on = t >= LATE
             if t == LATE and rank == 1:
                 opt.add_param_group({"params": list(model.extra.parameters())})
 
-        def descend_and_sync():  # each owner sends its parameters, as ZeRO's step does after ours
-            opt.descend()
-            for p in model.parameters():
-                dist.broadcast(p.data, src=owner[id(p)])
-        counts = counted_steps(opt, model, data, "explicit", finish=descend_and_sync, before_step=before_step)
+        counts = counted_steps(opt, model, data, "explicit", finish=owners_send(opt, model, owner),
+                               before_step=before_step)
         out[kind] = (compare(full(model.parameters()), ref), counts)
     return out
 
@@ -775,7 +781,6 @@ def zero_over_a_fused_base():
     0 alone has a NaN in h_t at step 3 (steps 0-2) beside one process's, that step's
     ``nonfinite``, nonfinite_steps, whether its weights are finite, and the relative error of
     a hand split whose rank 1 holds no gradient before step LATE)}."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     try:
@@ -786,20 +791,15 @@ def zero_over_a_fused_base():
     keys = ("ascent_norm", "sharpness", "stability")
     out = {}
     for kind in ("SAM", "VASSO", "GSAM", "V+G", "ASAM"):
-        cls, knobs = VARIANTS[kind]
         ref_model = make_model()
         ref_diags = run(build(kind, ref_model.parameters(), fused=True), ref_model, data, "explicit")
-
-        def zero_over(model):
-            return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.AdamW,
-                                           partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, fused=True, **knobs)
         model = DDP(make_model())
-        zero = zero_over(model)
+        zero = _zero(kind, model.parameters(), torch.optim.AdamW, fused=True)
         counts = counted_steps(zero, model, my_slice(data), "explicit", finish=zero.step, explicit_opt=zero.optim)
         error = compare([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
 
         model = DDP(make_model())
-        zero = zero_over(model)
+        zero = _zero(kind, model.parameters(), torch.optim.AdamW, fused=True)
         diags = []
         for t, (x, y) in enumerate(my_slice(data)):
             rng = rng_state()
@@ -826,23 +826,8 @@ def zero_over_a_fused_base():
 
         # split by hand, rank 1 (the branch's owner) holding no gradient before step LATE: the
         # ranks still decide alike whether the base takes the verdict (one all_reduce each)
-        ref_model = LateBranch()
-        ref_opt = build(kind, ref_model.parameters(), fused=True)
-        for t, batch in enumerate(data):
-            ref_model.on = t >= LATE
-            run(ref_opt, ref_model, [batch], "explicit", read=False)
-        model = LateBranch()
-        owner = {id(p): 0 for p in model.body.parameters()} | {id(p): 1 for p in model.extra.parameters()}
-        opt = cls([p for p in model.parameters() if owner[id(p)] == dist.get_rank() % 2], torch.optim.AdamW,
-                  rho=0.2, lr=1e-2, partition_group=dist.group.WORLD, fused=True, **knobs)
-
-        def descend_and_sync():  # each owner sends its parameters, as ZeRO's step does after ours
-            opt.descend()
-            for p in model.parameters():
-                dist.broadcast(p.data, src=owner[id(p)])
-        counted_steps(opt, model, data, "explicit", finish=descend_and_sync,
-                      before_step=lambda t: setattr(model, "on", t >= LATE))
-        hand_error = compare([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
+        model, _ = late_branch_split_by_hand(kind, data, torch.optim.AdamW, fused=True)
+        hand_error = compare(full(model.parameters()), late_branch_reference(kind, data, torch.optim.AdamW, fused=True))
         out[kind] = (error, counts, diags, flagged, skipped, bool(torch.isfinite(weights).all()), hand_error)
     return out
 
