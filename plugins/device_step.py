@@ -122,6 +122,8 @@ def descend(step: StepInFlight, base_optimizer: torch.optim.Optimizer, grad_scal
     code = torch.where(step.finite, verdict, two)
     read = ondevice.base_step(base_optimizer, verdict, code, stepped_before=lists.base_stepped and not step.fresh)
     lists.base_stepped = lists.base_stepped or read == 0
+    if read is None:  # the diagnostics say so when read: h_t's verdict or the scaler's too, not only g_t's
+        step.diagnostics.later(("nonfinite",), lambda: (code > 0).double().reshape(1))
     P.moved_parameters()
     return code, read
 

@@ -6,7 +6,8 @@ Functions of the step record, its lists and the optimizer's buffer stores, never
 optimizer.  :func:`first_pass_sums` is the step's one reduction and host read;
 :func:`rule` the paper's rule (:func:`plugins.perturbation.rule_`) once ``g_t`` is known
 finite; :func:`diagnose` the step's diagnostics; :func:`second_pass_sums` descend()'s one
-read.  Every formula is :mod:`plugins.perturbation`'s.  Torch only.
+read, or :func:`verdict_on_device` hands ``h_t``'s verdict to a fused base.  Every formula
+is :mod:`plugins.perturbation`'s.  Torch only.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import diagnostics, reductions, scaling
+from . import diagnostics, ondevice, reductions, scaling
 from . import distributed as D
 from . import perturbation as P
 from .diagnostics import Deferred
 from .inflight import Kind, StepInFlight, Store, copy_
 from .reductions import Sums
 
-__all__ = ["perturb", "move_others", "descend", "first_pass_sums", "previous_inner", "rule", "diagnose",
-           "second_pass_sums"]
+__all__ = ["perturb", "move_others", "descend", "verdict_on_device", "first_pass_sums", "previous_inner", "rule",
+           "diagnose", "second_pass_sums"]
 
 _NAN = float("nan")
 
@@ -80,6 +81,21 @@ def descend(step: StepInFlight, grad_scale: Optional[torch.Tensor], found_inf: O
     if finite and "g_dot_h" in sums:  # GSAM: h_t - alpha g_t^perp
         step.gsam_correct(second, firsts, sums["h"], sums["g_dot_h"])
     return finite
+
+
+def verdict_on_device(step: StepInFlight, exchange: Optional[D.AscentExchange],
+                      base_optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a two-pass step perturb() decided here, under ``partition_group`` (ZeRO/OSS, a
+    hand split), hands ``h_t``'s verdict to its base on the device (a fused base, the model on
+    one device: :func:`plugins.device_step.descend`); if so the step is set up for it (``g_t``
+    was found finite).  Every rank decides alike: ``exchange`` describes the model, not this
+    rank's part (a base's first step reads the verdict all the same: :func:`ondevice.base_step`)."""
+    if not (step.kind is Kind.PERTURBED and exchange is not None and exchange.one_device
+            and ondevice.takes_found_inf(base_optimizer)):
+        return False
+    zero = step.lists.constants()[0]
+    step.finite, step.found_inf = torch.ones((), dtype=torch.bool, device=zero.device), zero.clone()
+    return True
 
 
 def first_pass_sums(step: StepInFlight, has_last: bool, scratch: Store, exchange_cache: Dict[str, Any]

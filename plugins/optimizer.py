@@ -35,7 +35,6 @@ __all__ = ["SharpnessAware", "SAM", "VASSO", "Diagnostics"]
 _NAN = float("nan")
 
 
-
 def _ends_with_the_diagnostics_wait(descend):
     """``descend`` then waits for the loss gap's ``all_reduce`` (issued before the step's
     last reduction, so on gloo it is done by then and on NCCL the wait is the stream's):
@@ -332,25 +331,14 @@ class SharpnessAware(torch.optim.Optimizer):
             return self._descend_on_device(step, grad_scale, found_inf)
         if step.kind is Kind.NONFINITE:
             return False
-        if self._base_takes_verdict(step):  # g_t was found finite by perturb()'s read; h_t's stays on the device
-            zero = step.lists.constants()[0]
-            step.finite, step.found_inf = torch.ones((), dtype=torch.bool, device=zero.device), zero.clone()
-            return self._descend_on_device(step, grad_scale, found_inf)
+        exchange = self._exchange.get("exchange") if self._exchanges else None
+        if self._decide_on_device and host_step.verdict_on_device(step, exchange, self.base_optimizer):
+            return self._descend_on_device(step, grad_scale, found_inf)  # h_t's verdict stays on the device
         if not host_step.descend(step, grad_scale, found_inf):  # one host read: is h_t finite?
             self._skip_nonfinite("second-pass", step.scaled)
             return False
         self._base_step()
         return True
-
-    def _base_takes_verdict(self, step: StepInFlight) -> bool:
-        """A two-pass step perturb() decided by a host read under partition_group (ZeRO/OSS, a
-        hand split) whose base takes ``h_t``'s verdict on the device: a fused base, the model on
-        one device.  Every rank decides alike (the verdict's all_reduce is every rank's): the
-        exchange is the model's, not this rank's part; a base's first step reads the verdict on
-        the host all the same (:func:`plugins.ondevice.base_step`)."""
-        exchange = self._exchange.get("exchange") if self._exchanges else None
-        return (self._decide_on_device and step.kind is Kind.PERTURBED and exchange is not None
-                and exchange.one_device and ondevice.takes_found_inf(self.base_optimizer))
 
     def _descend_on_device(self, step: StepInFlight, grad_scale: Optional[torch.Tensor],
                            found_inf: Optional[torch.Tensor]) -> Optional[bool]:
@@ -361,8 +349,6 @@ class SharpnessAware(torch.optim.Optimizer):
             device_step.forget_slopes(step, self._own_state)
         if read is None:  # decided on the device: counted, and warned about, once the verdict arrives
             self._verdicts.send(self._step - 1, code, step.scaled)
-            # and the diagnostics say so when read: h_t's verdict or the scaler's too, not only g_t's
-            step.diagnostics.later(("nonfinite",), lambda: (code > 0).double().reshape(1))
             return None
         if read:
             self._skip_nonfinite(ondevice.Verdicts.WHICH[read], step.scaled)
@@ -488,17 +474,11 @@ class SharpnessAware(torch.optim.Optimizer):
                 second = closure()
             if loss is not None and second is not None:
                 self._set_loss_gap(loss, second)
-        if self._pending.scaled:
-            self._finish_through(scaler)  # records the overflow in the scaler, then finishes
+        if self._pending.scaled:  # scaler.step(self), whose call of step() finishes this one: hooks see one step
+            scaling.step_through(self, scaler, self._finish_step)
         else:
             self._descend()  # not descend(): this step() is the one torch's wrappers see
         return loss
-
-    def _finish_through(self, scaler) -> None:
-        """``scaler.step(self)`` inside ``step(closure, scaler=)``, whose call of ``self.step()``
-        goes to :meth:`_finish_step` directly: torch's step hooks and an LR scheduler's count
-        see one step, the one the user called."""
-        scaling.step_through(self, scaler, self._finish_step)
 
     def _set_loss_gap(self, first, second) -> None:
         """The loss gap (:func:`plugins.diagnostics.record_loss_gap`)."""
