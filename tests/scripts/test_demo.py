@@ -287,7 +287,6 @@ def test_nudged_train_with_0_ulps_is_stock_fairseq_train_and_1_ulp_is_not(demo_r
             assert "| INFO | fairseq_cli.train | done training" in f.read(), (name, recipe.tail(log))
         return torch.load(tmp_path / name / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
 
-    user_dir = recipe.default_user_dir()
     stock, zero, one = (train("stock", [recipe.fairseq_bin("fairseq-train")]),
                         train("zero", demo.nudged_train_command(0)),
                         train("one", demo.nudged_train_command(1)))

@@ -1,7 +1,5 @@
 """The text steps of iwslt14 (scripts/translation/iwslt14_prepare.py) against what prepare-iwslt14.sh's tools do."""
 
-import os
-
 import iwslt14 as prep
 
 

@@ -6,8 +6,6 @@ import shlex
 import subprocess
 import sys
 
-import pytest
-
 import iwslt14_recipe
 from fairseq_vasso.nmt import recipe as nmt_common
 
