@@ -78,7 +78,10 @@ def generate_command(data, checkpoint, results_dir, *, subset="test", beam=5, ba
            "--gen-subset", subset, "--beam", str(beam), "--remove-bpe",
            "--required-batch-size-multiple", "1", "--batch-size", str(batch_size),
            "--user-dir", user_dir or nmt.default_user_dir(), "--results-path", results_dir,
-           "--log-format", "simple", "--log-interval", "1"]
+           "--log-format", "simple", "--log-interval", "1",
+           # no loader process (fairseq's default is one): torch terminates it at exit, which leaves
+           # its multiprocessing folder (pymp-*) in the temp dir; a test set loads in a moment without it
+           "--num-workers", "0"]
     if cpu is None:
         cpu = not _cuda_available()
     if cpu:

@@ -14,18 +14,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPTS = os.path.join(REPO, "scripts")
 
 
-def run_script(name, *args, timeout=600, cwd=None, check=True):
+def run_script(name, *args, timeout=600, cwd=None, check=True, env=None):
     """Runs scripts/NAME (a path ending in .py) or the module NAME (``python -m``) with this
-    Python, in ``cwd`` (default: a new temporary folder, never the checkout); returns the
-    CompletedProcess (text)."""
+    Python, in ``cwd`` (default: a new temporary folder, never the checkout) and ``env``
+    (default: this process's); returns the CompletedProcess (text)."""
     if cwd is None:
         with tempfile.TemporaryDirectory(prefix="run-script-") as tmp:
-            return run_script(name, *args, timeout=timeout, cwd=tmp, check=check)
+            return run_script(name, *args, timeout=timeout, cwd=tmp, check=check, env=env)
     target = [os.path.join(SCRIPTS, name)] if name.endswith(".py") else ["-m", name]
     # stderr apart: fairseq's import warnings must not mix with what the tests parse
     proc = process_group.run([sys.executable] + target + [str(a) for a in args],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
-                             cwd=cwd)
+                             cwd=cwd, env=env)
     if check and proc.returncode != 0:
         raise AssertionError("%s %s exited %d:\n%s\n%s" % (name, " ".join(map(str, args)), proc.returncode,
                                                            proc.stdout[-4000:], proc.stderr[-4000:]))

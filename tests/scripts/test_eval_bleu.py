@@ -181,6 +181,18 @@ def test_eval_bleu_says_when_generation_runs_into_the_length_limit(demo_run, scr
     assert "| AdamW |" in proc.stdout
 
 
+def test_scoring_leaves_nothing_in_the_temp_dir(demo_run, script, tmp_path):
+    """vasso-bleu's fairseq-generate runs without a loader process: fairseq's default one is
+    terminated at exit and would leave its multiprocessing folder (pymp-*) in TMPDIR."""
+    out, _, _ = demo_run
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    ckpt = os.path.join(out, "runs", "adamw", "seed1", "checkpoint_best.pt")
+    script("fairseq_vasso.nmt.bleu", os.path.join(out, "data-bin"), "--checkpoint", "adamw=" + ckpt,
+           "--generate-args", "--max-len-a 0 --max-len-b 1", "--batch-size", 8, env=dict(os.environ, TMPDIR=str(temp)))
+    assert not list(temp.iterdir()), sorted(p.name for p in temp.iterdir())
+
+
 def test_length_limit_watch_counts_hypotheses_at_the_limit(tmp_path):
     out = tmp_path / "generate-test.txt"
     watch = eval_bleu.LengthLimitWatch(str(out), *eval_bleu.length_limits([]))
