@@ -752,6 +752,14 @@ class _SIGTERM_AS_INTERRUPT:
             signal.signal(signal.SIGTERM, self.previous)
 
 
+def _temp_dir(workspace):
+    """The commands' TMPDIR, beside the workspace in the test's own temporary folder: what they
+    leave in a temporary folder (torchrun's torchelastic_* logs) does not land in the system's."""
+    path = workspace.rstrip(os.sep) + "-tmp"
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def _run_script(script, workspace, timeout):
     """(exit status or a timeout note, output) of ``bash -c script``; on a timeout, an
     interrupt or stop_commands() the whole process group (fairseq-train's children included)
@@ -762,7 +770,8 @@ def _run_script(script, workspace, timeout):
         with _LOCK:
             if _STOPPED.is_set():
                 return "not run: the session was stopped", ""
-            proc = process_group.popen(["bash", "-c", script], cwd=workspace, env=command_env(),
+            proc = process_group.popen(["bash", "-c", script], cwd=workspace,
+                                       env=dict(command_env(), TMPDIR=_temp_dir(workspace)),
                                        stdout=output, stderr=subprocess.STDOUT)
             _RUNNING.add(proc)
         try:
