@@ -4,13 +4,14 @@ For every checkpoint this runs fairseq's own generator::
 
     fairseq-generate DATA --path CKPT --gen-subset test --beam 5 --remove-bpe \\
         --required-batch-size-multiple 1 --batch-size 128 --user-dir fairseq_vasso \\
-        --results-path CKPT_DIR/generate-test --log-format simple --log-interval 1
+        --results-path CKPT_DIR/generate-test --log-format simple --log-interval 1 --num-workers 0
 
 (``--required-batch-size-multiple 1``: otherwise fairseq-generate can silently drop
 sentences; this script checks that every sentence of the subset was translated.
 ``--user-dir``: importing fairseq_vasso allow-lists ``argparse.Namespace`` so the
 checkpoint loads with torch's ``weights_only`` protection on. ``--log-interval 1``: one
-progress line per batch, which this command turns into progress with the elapsed time.)
+progress line per batch, which this command turns into progress with the elapsed time.
+``--num-workers 0``: fairseq's loader process would leave a ``pymp-*`` folder in the temp dir.)
 fairseq's default length limits stay (``--max-len-a 0 --max-len-b 200``), so the scores
 are comparable with the paper's; when most hypotheses run into that limit (an
 undertrained model: generation is then slow), one line says so and how to bound it
