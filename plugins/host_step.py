@@ -83,13 +83,14 @@ def descend(step: StepInFlight, grad_scale: Optional[torch.Tensor], found_inf: O
     return finite
 
 
-def verdict_on_device(step: StepInFlight, exchange: Optional[D.AscentExchange],
-                      base_optimizer: torch.optim.Optimizer) -> bool:
+def verdict_on_device(step: StepInFlight, base_optimizer: torch.optim.Optimizer) -> bool:
     """Whether a two-pass step perturb() decided here, under ``partition_group`` (ZeRO/OSS, a
     hand split), hands ``h_t``'s verdict to its base on the device (a fused base, the model on
     one device: :func:`plugins.device_step.descend`); if so the step is set up for it (``g_t``
-    was found finite).  Every rank decides alike: ``exchange`` describes the model, not this
-    rank's part (a base's first step reads the verdict all the same: :func:`ondevice.base_step`)."""
+    was found finite).  Every rank decides alike: the step's exchange, the one its second pass
+    joined, describes the model, not this rank's part (a base's first step reads the verdict
+    all the same: :func:`ondevice.base_step`)."""
+    exchange = step.exchange
     if not (step.kind is Kind.PERTURBED and exchange is not None and exchange.one_device
             and ondevice.takes_found_inf(base_optimizer)):
         return False

@@ -331,8 +331,7 @@ class SharpnessAware(torch.optim.Optimizer):
             return self._descend_on_device(step, grad_scale, found_inf)
         if step.kind is Kind.NONFINITE:
             return False
-        exchange = self._exchange.get("exchange") if self._exchanges else None
-        if self._decide_on_device and host_step.verdict_on_device(step, exchange, self.base_optimizer):
+        if self._decide_on_device and host_step.verdict_on_device(step, self.base_optimizer):
             return self._descend_on_device(step, grad_scale, found_inf)  # h_t's verdict stays on the device
         if not host_step.descend(step, grad_scale, found_inf):  # one host read: is h_t finite?
             self._skip_nonfinite("second-pass", step.scaled)
