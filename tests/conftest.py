@@ -28,15 +28,37 @@ to build run on the same worker (``SAME_WORKER``), so that it is built once.
 
 And a line when each test file starts (under xdist, whose dots name no file) and one when it
 ends, with its wall time and outcomes (``_FileProgress``): some files take minutes.
+
+And torch's inductor cache folder: importing ``torch._dynamo`` (torchvision does, and
+``torch.distributed.checkpoint``) makes ``<tmp>/torchinductor_<user>`` at once, outside every
+test's folder. The session points ``TORCHINDUCTOR_CACHE_DIR`` (unless the user set it) at a
+folder of its own, which its workers and the commands its tests start inherit, and removes
+it at the end.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
 from checkout import REPO, changes, untracked_files
 # the gpu marker's hooks, defined in tests/helpers/gpu_marker.py (tests/test_gpu_marker.py runs them on their own)
 from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
+
+#: the session's inductor cache folder (None: the user named one), made before any test imports
+#: torch._dynamo by the process that loads this file first (xdist's controller), which removes it;
+#: its workers and the commands its tests start inherit it, named in _SESSION_INDUCTOR_CACHE too
+_SESSION_INDUCTOR_CACHE = "VASSO_TESTS_INDUCTOR_CACHE"
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    INDUCTOR_CACHE = tempfile.mkdtemp(prefix="vasso-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_SESSION_INDUCTOR_CACHE] = INDUCTOR_CACHE
+    atexit.register(shutil.rmtree, INDUCTOR_CACHE, ignore_errors=True)
+else:
+    INDUCTOR_CACHE = os.environ.get(_SESSION_INDUCTOR_CACHE)
+    if INDUCTOR_CACHE != os.environ["TORCHINDUCTOR_CACHE_DIR"]:
+        INDUCTOR_CACHE = None
 
 
 # The files that take longest in the README's test command (their wall time in a CI run on 2

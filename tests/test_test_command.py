@@ -1,5 +1,6 @@
 """The README's test command: scripts/test.sh runs pytest on every core, and tests/conftest.py
-says, under xdist, whose dots name no file, when each test file starts and ends."""
+says, under xdist, whose dots name no file, when each test file starts and ends, and keeps
+torch's inductor cache folder in one of the session's own."""
 
 import os
 import re
@@ -52,3 +53,21 @@ def test_the_test_command_runs_pytest_on_every_core(tmp_path):
     assert run("-ra") == f"python -m pytest -n {min(cores, 8)} --dist loadfile -ra"
     assert run("-ra", "-n", "0") == "python -m pytest -ra -n 0"
     assert run("--pdb", "tests/core") == "python -m pytest --pdb tests/core"
+
+
+def test_torchs_inductor_cache_folder_stays_in_the_sessions_own(tmp_path, pytestconfig):
+    # importing torch._dynamo makes <tmp>/torchinductor_<user> at once (torchvision, DCP and
+    # DomainBed's scripts import it): tests/conftest.py points the session, and the commands its
+    # tests start, at a folder of its own
+    conftest = pytestconfig.pluginmanager.get_plugin(os.path.join(REPO, "tests", "conftest.py"))
+    if conftest.INDUCTOR_CACHE is None:
+        pytest.skip("TORCHINDUCTOR_CACHE_DIR was set before the session: the user's folder")
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert cache == conftest.INDUCTOR_CACHE
+    system_tmp = tmp_path / "tmp"
+    system_tmp.mkdir()
+    out = subprocess.run([sys.executable, "-c", "import torch._dynamo"], env=dict(os.environ, TMPDIR=str(system_tmp)),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert list(system_tmp.iterdir()) == []
+    assert os.path.isdir(cache)
