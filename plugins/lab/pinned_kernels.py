@@ -26,7 +26,8 @@ The pin does not make every CPU agree: on an Intel Xeon with AMX the pinned kern
 otherwise (one float32 ulp in the first step of ``tests/core/test_numerics_pin.py``, with MKL
 on its COMPATIBLE path there; neither glibc's CPU dispatch nor MKL's other switches move it).
 So the checks of the documented numbers run where :func:`unmeasured` is None and skip
-elsewhere, saying why.
+elsewhere, saying why; the pins of the core's trajectories (``tests/core/test_numerics_pin.py``)
+are kept per CPU kind (:func:`cpu_kind`), one of them that Intel Xeon's.
 """
 
 import os
@@ -41,13 +42,18 @@ CAPABILITY = "AVX2"
 EXPORT = "export " + " ".join(f"{k}={v}" for k, v in PINNED.items()) + " OMP_NUM_THREADS=1"
 
 
+#: where Linux describes the CPUs
+CPUINFO = "/proc/cpuinfo"
+
+
 def _cpuinfo(field):
-    """The value of ``field`` in /proc/cpuinfo (its first CPU), or None where it cannot be read."""
+    """The value of ``field`` in :data:`CPUINFO` (its first CPU), or None where it cannot be read."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        with open(CPUINFO, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
+                name, colon, value = line.partition(":")
+                if colon and name.strip() == field:
+                    return value.strip()
     except OSError:
         return None
     return None
@@ -81,6 +87,13 @@ MEASURED_VENDORS = ("AuthenticAMD",)
 def vendor():
     """This CPU's vendor as /proc/cpuinfo names it (``AuthenticAMD``, ``GenuineIntel``), or None."""
     return _cpuinfo("vendor_id")
+
+
+def cpu_kind():
+    """This CPU's kind as /proc/cpuinfo names it: vendor, family and model (``GenuineIntel 6/167``),
+    or None where it cannot be read. A virtual machine may report a model other than the host's."""
+    found = [_cpuinfo(field) for field in ("vendor_id", "cpu family", "model")]
+    return None if None in found else f"{found[0]} {found[1]}/{found[2]}"
 
 
 def unmeasured():

@@ -13,18 +13,19 @@ combinations differ on its gradients, so that the pins below see such a change.
 If this test fails after a change of the core, the change moved the numerics. If that is
 intended: say so in the commit message, re-measure what the docs report from them (the
 demo's table in docs/reports/demo.md and the README's results, which a CI check compares
-with a demo run, tests/scripts/test_demo_readme.py), and write the new values below (print
-them with ``python tests/core/test_numerics_pin.py``).
+with a demo run, tests/scripts/test_demo_readme.py), and write the new values below for each
+CPU kind in PINS (print them with ``python tests/core/test_numerics_pin.py`` on a CPU of that
+kind); a kind that cannot be re-measured leaves PINS, and the commit says so.
 
 The exact values depend on the torch build and on the CPU kernels (torch's CPU capability,
 MKL's code path) and threads. The trajectories run in a new process with the kernels pinned
 (plugins.lab.pinned_kernels: torch's AVX2 kernels, MKL's COMPATIBLE path, one thread), so the
-pins hold on the x86-64 CPUs of the vendor they were measured on, AVX2 or AVX512, for the
-torch that scripts/setup_env.sh installs; with another torch (CI's compat stage runs
-tests/core under torch 2.1.2, the floor), where the kernels cannot be pinned (another
-architecture, a CPU without AVX2) or on another vendor's CPU
-(pinned_kernels.unmeasured), the test skips, saying so. The core keeps the float64
-combination, the more accurate one (docs/design.md).
+pins hold on the x86-64 CPUs of the kinds they were measured on (PINS' keys: a vendor, or one
+vendor's family and model), AVX2 or AVX512, for the torch that scripts/setup_env.sh installs;
+with another torch (CI's compat stage runs tests/core under torch 2.1.2, the floor), where the
+kernels cannot be pinned (another architecture, a CPU without AVX2) or on a CPU of another
+kind, the test skips, saying so. The core keeps the float64 combination, the more accurate
+one (docs/design.md).
 """
 
 import hashlib
@@ -42,21 +43,39 @@ from plugins.lab import pinned_kernels
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # torch.__version__ without a local part ("+cu130", "+cpu": the same CPU kernels)
 PINNED_TORCH = "2.14.1"
-# {case: (sha256 of the weights after STEPS steps, float.hex of each step's loss)}, under
-# plugins.lab.pinned_kernels (torch's AVX2 kernels, MKL's COMPATIBLE path, one thread), torch 2.14.1
+# {CPU kind: {case: (sha256 of the weights after STEPS steps, float.hex of each step's loss)}}, under
+# plugins.lab.pinned_kernels (torch's AVX2 kernels, MKL's COMPATIBLE path, one thread), torch 2.14.1.
+# A kind is pinned_kernels.cpu_kind() (vendor family/model), or a vendor for all its kinds: the same
+# pinned kernels round otherwise on an Intel Xeon with AMX than on AMD's CPUs (its first update already)
 PINS = {
-    'SAM-AdamW': ('6b930302130d80f0fff5dc4d75cff5a072522b9207b95d72330976379570a942',
-        ['0x1.2b8af00000000p+1', '0x1.f0df4a0000000p+1', '0x1.2944240000000p+2', '0x1.3143940000000p+2',
-         '0x1.1f19d40000000p+2', '0x1.b3fd840000000p+1', '0x1.498ad60000000p+1', '0x1.f4e9a20000000p+0']),
-    'VASSO-AdamW': ('f4046351d5d1188854e07f0019d40001809e117edb9f61e1caf5c410d53af8f4',
-        ['0x1.2b8af00000000p+1', '0x1.f0df4a0000000p+1', '0x1.0dc8e20000000p+2', '0x1.f429980000000p+1',
-         '0x1.f539120000000p+1', '0x1.828ee00000000p+1', '0x1.180c580000000p+2', '0x1.b3459c0000000p+1']),
-    'SAM-AdamW host path': ('c0610d8f1ad202042f9905f5515ecdbea3f64962a8db12223b5ba04804622dc3',
-        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.2944460000000p+2', '0x1.31440c0000000p+2',
-         '0x1.1da7880000000p+2', '0x1.7b15a20000000p+1', '0x1.39a0fe0000000p+1', '0x1.30dd5e0000000p+1']),
-    'VASSO-AdamW host path': ('27d2b01c99a980c345eb227e2d58cec1932b54594ed06f31d17e9350865dd4af',
-        ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.0dc8f80000000p+2', '0x1.f429f00000000p+1',
-         '0x1.f539140000000p+1', '0x1.828f0e0000000p+1', '0x1.179a760000000p+2', '0x1.b367ac0000000p+1']),
+    "AuthenticAMD": {  # every AMD x86-64 CPU with AVX2 (an EPYC under KVM, and others)
+        'SAM-AdamW': ('6b930302130d80f0fff5dc4d75cff5a072522b9207b95d72330976379570a942',
+            ['0x1.2b8af00000000p+1', '0x1.f0df4a0000000p+1', '0x1.2944240000000p+2', '0x1.3143940000000p+2',
+             '0x1.1f19d40000000p+2', '0x1.b3fd840000000p+1', '0x1.498ad60000000p+1', '0x1.f4e9a20000000p+0']),
+        'VASSO-AdamW': ('f4046351d5d1188854e07f0019d40001809e117edb9f61e1caf5c410d53af8f4',
+            ['0x1.2b8af00000000p+1', '0x1.f0df4a0000000p+1', '0x1.0dc8e20000000p+2', '0x1.f429980000000p+1',
+             '0x1.f539120000000p+1', '0x1.828ee00000000p+1', '0x1.180c580000000p+2', '0x1.b3459c0000000p+1']),
+        'SAM-AdamW host path': ('c0610d8f1ad202042f9905f5515ecdbea3f64962a8db12223b5ba04804622dc3',
+            ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.2944460000000p+2', '0x1.31440c0000000p+2',
+             '0x1.1da7880000000p+2', '0x1.7b15a20000000p+1', '0x1.39a0fe0000000p+1', '0x1.30dd5e0000000p+1']),
+        'VASSO-AdamW host path': ('27d2b01c99a980c345eb227e2d58cec1932b54594ed06f31d17e9350865dd4af',
+            ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.0dc8f80000000p+2', '0x1.f429f00000000p+1',
+             '0x1.f539140000000p+1', '0x1.828f0e0000000p+1', '0x1.179a760000000p+2', '0x1.b367ac0000000p+1']),
+    },
+    "GenuineIntel 6/167": {  # the Intel Xeon (AVX512, AMX) of a 2-core KVM machine, as CI's
+        'SAM-AdamW': ('9fd9b7b21871635dbc8da3c82c146a8961539e83ba1d5f95f69cf13a990e4042',
+            ['0x1.2b8af00000000p+1', '0x1.f0df480000000p+1', '0x1.2944200000000p+2', '0x1.31439a0000000p+2',
+             '0x1.1f0aa60000000p+2', '0x1.b59e260000000p+1', '0x1.4676c20000000p+1', '0x1.061aa40000000p+1']),
+        'VASSO-AdamW': ('c819921b432e7a1866b8aff7215a6055737b67c7a08796e6d154cfd60deea9da',
+            ['0x1.2b8af00000000p+1', '0x1.f0df480000000p+1', '0x1.0dc8e40000000p+2', '0x1.f4297e0000000p+1',
+             '0x1.f539080000000p+1', '0x1.828ed60000000p+1', '0x1.181d7c0000000p+2', '0x1.b338560000000p+1']),
+        'SAM-AdamW host path': ('b3f838b0029592155e56f895104eab2c09ac6ce806ac281d28acb540065dc554',
+            ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.2944500000000p+2', '0x1.31440e0000000p+2',
+             '0x1.1d99940000000p+2', '0x1.7b20ea0000000p+1', '0x1.3a7f680000000p+1', '0x1.3093580000000p+1']),
+        'VASSO-AdamW host path': ('74ed01b8682ab6275226fb94dca50750b9a9fba248505b39da4221bc064ce03a',
+            ['0x1.2b8af00000000p+1', '0x1.f0df740000000p+1', '0x1.0dc8f80000000p+2', '0x1.f429ea0000000p+1',
+             '0x1.f539120000000p+1', '0x1.828f0c0000000p+1', '0x1.17a7a00000000p+2', '0x1.b36b8e0000000p+1']),
+    },
 }
 STEPS = 8
 
@@ -180,19 +199,29 @@ def pinned():
     if version != PINNED_TORCH:
         pytest.skip(f"the pins are for torch {PINNED_TORCH} (scripts/setup_env.sh, CI); this is torch "
                     f"{torch.__version__}, whose kernels may round otherwise")
-    why = pinned_kernels.unmeasured()
+    why = pinned_kernels.unavailable()
     if why is not None:
-        pytest.skip(f"the pins are for the pinned CPU kernels, and do not apply here: {why}")
+        pytest.skip(f"the pins are for the pinned CPU kernels, which cannot apply here: {why}")
+    pins = pins_here()
+    if pins is None:
+        pytest.skip(f"the pins were measured on {' and '.join(PINS)} CPUs; this one is {pinned_kernels.cpu_kind()}, "
+                    "whose pinned kernels may round otherwise")
     found, capability = pinned_trajectories()
     assert capability == pinned_kernels.CAPABILITY, (
         f"torch reported CPU capability {capability} under the pin, not {pinned_kernels.CAPABILITY}")
-    return found
+    return found, pins
+
+
+def pins_here():
+    """PINS' values for this CPU: its kind's, else its vendor's; None where neither was measured."""
+    return PINS.get(pinned_kernels.cpu_kind()) or PINS.get(pinned_kernels.vendor())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_single_process_trajectory_is_pinned_bit_for_bit(case, pinned):
-    sha, losses = pinned[case]
-    pinned_sha, pinned_losses = PINS[case]
+    found, pins = pinned
+    sha, losses = found[case]
+    pinned_sha, pinned_losses = pins[case]
     first = next((i for i, (a, b) in enumerate(zip(losses, pinned_losses)) if a != b), None)
     assert (sha, losses) == (pinned_sha, pinned_losses), (
         f"{case}: the numerics changed (first loss that differs: step {first}); if intended, announce it in the "
@@ -212,12 +241,24 @@ def test_the_exact_numbers_are_expected_only_on_the_vendor_they_were_measured_on
     assert pinned_kernels.unmeasured() == "this machine is aarch64"
 
 
+def test_a_cpu_kind_is_its_vendor_family_and_model(tmp_path, monkeypatch):
+    # PINS' keys: "model" is its own field, not the "model name" after it
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 167\n"
+                       "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx2 fma\n\n"
+                       "processor\t: 1\nvendor_id\t: AuthenticAMD\n")
+    monkeypatch.setattr(pinned_kernels, "CPUINFO", str(cpuinfo))
+    assert pinned_kernels.cpu_kind() == "GenuineIntel 6/167" and pinned_kernels.vendor() == "GenuineIntel"
+    cpuinfo.write_text("vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n")  # no family, no model
+    assert pinned_kernels.cpu_kind() is None and pinned_kernels.vendor() == "AuthenticAMD"
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--json"]:  # pinned_trajectories' process
         print(json.dumps({"capability": capability(), "cases": {name: trajectory(name) for name in sorted(CASES)}}))
     else:  # the values to pin for this torch, under the pinned kernels
         found, cap = pinned_trajectories()
-        print(f"torch {torch.__version__}, CPU capability {cap} (pinned)", file=sys.stderr)
+        print(f"torch {torch.__version__}, CPU capability {cap} (pinned), {pinned_kernels.cpu_kind()}", file=sys.stderr)
         for name in sorted(found):
             print(f"    {name!r}: {found[name]!r},")
 
