@@ -40,11 +40,8 @@ def register(*, apply_environment=True):
     Returns the DomainBed root directory.
     """
     from . import _locate
-    from . import hparams as hp
 
     algorithms_mod, registry, datasets = _locate.import_domainbed()
-    from domainbed.lib import misc
-
     from . import algorithms as ours
     from . import digits_dataset  # RotatedDigits (scikit-learn's digits; docs/domainbed.md)
 
@@ -59,6 +56,38 @@ def register(*, apply_environment=True):
         setattr(algorithms_mod, name, cls)
         if name not in algorithms_mod.ALGORITHMS:
             algorithms_mod.ALGORITHMS.append(name)
+
+    _wrap_registry(registry)
+    digits_dataset.register(datasets)
+    from .slurm import register_launcher  # --command_launcher slurm (submitit)
+    register_launcher()
+
+    if apply_environment:
+        _locate.apply_num_workers(datasets)
+        _locate.apply_resnet_weights()
+    return _locate.domainbed_root()
+
+
+def register_hparams():
+    """Only the hparams of ``SAM``, ``GSAM`` and ``VASSO`` (and ``RotatedDigits``') in
+    ``domainbed.hparams_registry``, without importing DomainBed's algorithms and datasets
+    (torchvision and wilds: seconds): what the entry points check an ``--hparams`` of
+    theirs against, so that a bad one is refused at once. :func:`register` does this too.
+    Idempotent. Raises :class:`DomainBedNotFound` as :func:`register` does; returns the
+    DomainBed root directory."""
+    from . import _locate
+
+    (registry,) = _locate.import_domainbed(("hparams_registry",))
+    _wrap_registry(registry)
+    return _locate.domainbed_root()
+
+
+def _wrap_registry(registry):
+    """``registry._hparams`` answering for SAM, GSAM and VASSO, and for ``RotatedDigits``."""
+    from domainbed.lib import misc
+
+    from . import digits_dataset
+    from . import hparams as hp
 
     if not getattr(registry._hparams, "_domainbed_vasso_wrapped", False):
         original = registry._hparams
@@ -85,12 +114,3 @@ def register(*, apply_environment=True):
         _hparams._domainbed_vasso_original = original
         _hparams.__doc__ = original.__doc__
         registry._hparams = _hparams
-
-    digits_dataset.register(datasets)
-    from .slurm import register_launcher  # --command_launcher slurm (submitit)
-    register_launcher()
-
-    if apply_environment:
-        _locate.apply_num_workers(datasets)
-        _locate.apply_resnet_weights()
-    return _locate.domainbed_root()

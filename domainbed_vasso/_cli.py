@@ -1,6 +1,7 @@
 """Shared plumbing of the ``train`` and ``sweep`` entry points."""
 
 import argparse
+import difflib
 import runpy
 import sys
 
@@ -13,10 +14,12 @@ def fail(message, code=2):
     raise SystemExit(code)
 
 
-def register_or_exit():
-    from . import register
+def register_or_exit(hparams_only=False):
+    """:func:`domainbed_vasso.register` (``hparams_only``: :func:`~domainbed_vasso.register_hparams`),
+    or the error, as the entry points give theirs."""
+    from . import register, register_hparams
     try:
-        return register()
+        return register_hparams() if hparams_only else register()
     except DomainBedNotFound as exc:
         fail(str(exc))
     except (ValueError, FileNotFoundError) as exc:  # bad environment variable
@@ -43,17 +46,32 @@ def take_flag(argv, flag):
     return rest, len(rest) != len(argv)
 
 
+def check_known(flag, name, module, listed):
+    """Refuse ``name``, the value of ``flag``, unless DomainBed's ``module`` (``domainbed.algorithms``
+    or ``.datasets``) defines it, as DomainBed looks it up, with the closest of ``listed``: DomainBed
+    itself finds out only after it has loaded the data (its train script) or launched every job
+    (its sweep)."""
+    if name in vars(module):
+        return
+    close = difflib.get_close_matches(name, listed, n=1)
+    fail(f"{flag}: {name!r}" + (f" (closest valid: {close[0]!r})" if close else "")
+         + f" is not one of DomainBed's; expected one of {', '.join(listed)}")
+
+
 def check_hparams(algorithm, dataset, overrides, hparams_seed=0, trial_seed=0, allow_unknown=False):
     """Check the hparams DomainBed's train script will build, before it builds anything:
     every ``--hparams`` key must be one the registry defines for ``algorithm`` (any
     algorithm; a warning instead with ``allow_unknown``), and the knobs of SAM, GSAM and
-    VASSO must be in range. Raises :class:`~domainbed_vasso.hparams.HParamError`."""
+    VASSO must be in range. Raises :class:`~domainbed_vasso.hparams.HParamError`. For SAM,
+    GSAM and VASSO, :func:`~domainbed_vasso.register_hparams` is all it needs."""
     import warnings
 
-    from domainbed import algorithms, hparams_registry
+    from domainbed import hparams_registry
     from domainbed.lib import misc
-    if algorithm not in algorithms.ALGORITHMS:
-        return None  # DomainBed's train script names it
+    if algorithm not in _hp.SPECS:
+        from domainbed import algorithms
+        if algorithm not in algorithms.ALGORITHMS:
+            return None  # DomainBed's train script names it
     if hparams_seed == 0:
         hparams = hparams_registry.default_hparams(algorithm, dataset)
     else:

@@ -155,11 +155,12 @@ def domainbed_root():
     return os.path.dirname(os.path.abspath(list(spec.submodule_search_locations)[0]))
 
 
-def import_domainbed():
-    """Import and return ``(algorithms, hparams_registry, datasets)`` of DomainBed."""
+def import_domainbed(modules=("algorithms", "hparams_registry", "datasets")):
+    """Import and return DomainBed's ``modules`` (by default ``(algorithms, hparams_registry,
+    datasets)``), in that order."""
     root = domainbed_root()
     try:
-        from domainbed import algorithms, datasets, hparams_registry
+        found = tuple(importlib.import_module(f"domainbed.{name}") for name in modules)
     except DomainBedNotFound:
         raise
     except ImportError as exc:
@@ -171,7 +172,7 @@ def import_domainbed():
                 + _missing_module_fix(missing.split(".")[0], "DomainBed")) from exc
         raise DomainBedNotFound(_how_to_fix(
             f"DomainBed was found at {root} but importing it failed: {exc!r}.")) from exc
-    return algorithms, hparams_registry, datasets
+    return found
 
 
 def child_pythonpath():

@@ -14,7 +14,7 @@ unmodified and with exactly its flags, whose children run
 ``delete_incomplete`` keeps the folders of jobs Slurm still queues or runs.
 ``--hparams`` keys that some swept algorithm's registry does not define are refused
 before any job is made, unless ``--allow-unknown-hparams`` is given (then the children
-get it too).
+get it too); so are ``--algorithms`` and ``--datasets`` that DomainBed does not define.
 
 How: stock DomainBed builds each job's command as the string
 ``python -m domainbed.scripts.train --...`` inside ``Job.__init__`` of the
@@ -98,6 +98,12 @@ def main(argv=None):
         args = _cli.known_args(argv, _FLAGS)
         if args is not None:
             from domainbed import algorithms, datasets
+
+            from .digits_dataset import NAME as DIGITS
+            for algorithm in args.algorithms or ():  # DomainBed would launch every job to fail
+                _cli.check_known("--algorithms", algorithm, algorithms, algorithms.ALGORITHMS)
+            for dataset in args.datasets or ():
+                _cli.check_known("--datasets", dataset, datasets, datasets.DATASETS + [DIGITS])
             try:
                 overrides = _hp.parse_overrides(args.hparams)
                 for algorithm in (args.algorithms or algorithms.ALGORITHMS) if overrides else ():

@@ -7,8 +7,10 @@ unmodified and with exactly its flags, after :func:`domainbed_vasso.register`.
 Environment: ``DOMAINBED_ROOT`` (where DomainBed is, unless on PYTHONPATH),
 ``DOMAINBED_VASSO_NUM_WORKERS`` (data loader workers per environment; DomainBed's
 default is 8), ``DOMAINBED_VASSO_RESNET_WEIGHTS`` (offline ResNet weights: a .pth
-path, or ``none``). The hparams of SAM, GSAM and VASSO are checked before the data
-is loaded; a bad one stops the run with a message naming it. So does an ``--hparams``
+path, or ``none``). The hparams of SAM, GSAM and VASSO are checked first, against
+DomainBed's registry alone (before its models and datasets are imported); a bad one
+stops the run with a message naming it. So does an ``--algorithm`` or ``--dataset``
+DomainBed does not define (it would find out after loading the data), or an ``--hparams``
 key the algorithm's registry does not define (DomainBed would ignore it: a typo would
 train with the default), unless ``--allow-unknown-hparams`` is given (our one flag;
 DomainBed's old behaviour, with a warning). An image dataset missing from ``--data_dir``
@@ -36,20 +38,33 @@ def main(argv=None):
     # imported here, after the check: they need numpy and torch
     from . import _cli
     from . import hparams as _hp
-    _cli.register_or_exit()
     argv, allow_unknown = _cli.take_flag(argv, _hp.ALLOW_UNKNOWN)
-    if not any(a in ("-h", "--help") for a in argv):
-        args = _cli.known_args(argv, _FLAGS)
-        if args is not None:
-            try:
-                overrides = _hp.parse_overrides(args.hparams)
-                _cli.check_hparams(args.algorithm, args.dataset, overrides,
-                                   args.hparams_seed, args.trial_seed, allow_unknown)
-            except _hp.HParamError as exc:
-                _cli.fail(str(exc))
-            missing = missing_dataset(args.dataset, args.data_dir)
-            if missing:
-                _cli.fail(missing)
+    args = None if any(a in ("-h", "--help") for a in argv) else _cli.known_args(argv, _FLAGS)
+
+    def check():
+        try:
+            overrides = _hp.parse_overrides(args.hparams)
+            _cli.check_hparams(args.algorithm, args.dataset, overrides, args.hparams_seed, args.trial_seed,
+                               allow_unknown)
+        except _hp.HParamError as exc:
+            _cli.fail(str(exc))
+
+    ours = args is not None and args.algorithm in _hp.SPECS
+    if ours:  # checked against the registry alone: refused before DomainBed's models and datasets load
+        _cli.register_or_exit(hparams_only=True)
+        check()
+    _cli.register_or_exit()
+    if args is not None:
+        from domainbed import algorithms, datasets
+
+        from .digits_dataset import NAME as DIGITS
+        _cli.check_known("--algorithm", args.algorithm, algorithms, algorithms.ALGORITHMS)
+        _cli.check_known("--dataset", args.dataset, datasets, datasets.DATASETS + [DIGITS])
+        if not ours:
+            check()
+        missing = missing_dataset(args.dataset, args.data_dir)
+        if missing:
+            _cli.fail(missing)
     _cli.run_domainbed_script("domainbed.scripts.train", "domainbed_vasso.train", argv)
 
 

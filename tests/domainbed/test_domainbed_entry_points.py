@@ -292,3 +292,32 @@ def test_download_lists_the_datasets():
     assert proc.returncode == 0
     for name in ("PACS", "VLCS", "OfficeHome", "TerraIncognita", "DomainNet", "--data_dir"):
         assert name in proc.stdout
+
+
+@pytest.mark.parametrize("module, argv, named", [
+    # DomainBed's train script would load the data first, its sweep launch every job to fail
+    # (batch_size 8: Debug28 at its default hangs DomainBed's loaders)
+    ("domainbed_vasso.train", ["--dataset", "Debug28", "--algorithm", "ERMM", "--test_envs", "0",
+                               "--hparams", '{"batch_size": 8}'],
+     "--algorithm: 'ERMM' (closest valid: 'ERM') is not one of DomainBed's; expected one of ERM, "),
+    ("domainbed_vasso.train", ["--dataset", "PACSS", "--algorithm", "VASSO", "--test_envs", "0"],
+     "--dataset: 'PACSS' (closest valid: 'PACS') is not one of DomainBed's; expected one of Debug28, "),
+    ("domainbed_vasso.sweep", ["launch", "--datasets", "Debug28", "--algorithms", "ERM", "VASO",
+                               "--command_launcher", "dummy", "--skip_confirmation"],
+     "--algorithms: 'VASO' (closest valid: 'VASSO') is not one of DomainBed's; expected one of ERM, "),
+    ("domainbed_vasso.sweep", ["launch", "--datasets", "RotatedDigit", "--algorithms", "ERM",
+                               "--command_launcher", "dummy", "--skip_confirmation"],
+     "--datasets: 'RotatedDigit' (closest valid: 'RotatedDigits') is not one of DomainBed's; expected one of "),
+], ids=["train-algorithm", "train-dataset", "sweep-algorithms", "sweep-datasets"])
+def test_an_algorithm_or_dataset_domainbed_lacks_is_refused_before_any_work(tmp_path, module, argv, named):
+    from domainbed_testlib import DOMAINBED, SKIP_REASON
+    if DOMAINBED is None:
+        pytest.skip(SKIP_REASON)
+    out = tmp_path / "out"
+    proc = process_group.run([sys.executable, "-m", module, *argv, "--data_dir", str(tmp_path / "data"),
+                              "--output_dir", str(out)], cwd=tmp_path, env=clean_env(DOMAINBED_ROOT=DOMAINBED),
+                             capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("domainbed_vasso: error: ")]
+    assert len(errors) == 1 and named in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not out.exists() and "Launched" not in proc.stdout

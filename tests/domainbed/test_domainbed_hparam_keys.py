@@ -3,10 +3,12 @@ and sweep entry points before anything is written (DomainBed itself would ignore
 so a typo trains with the default); ``--allow-unknown-hparams`` keeps DomainBed's way."""
 
 import json
+import subprocess
 
+import process_group
 import pytest
 
-from domainbed_testlib import DOMAINBED, PY, SKIP_REASON, run_all, train_cmd
+from domainbed_testlib import DOMAINBED, PY, SKIP_REASON, env, run_all, train_cmd
 
 pytestmark = pytest.mark.skipif(DOMAINBED is None, reason=SKIP_REASON)
 
@@ -30,6 +32,31 @@ def test_train_refuses_an_unknown_key_before_writing_anything(tmp_path, algorith
     assert code == 2
     line = one_error_line(output)
     assert named in line and "--allow-unknown-hparams" in line
+    assert not out.exists()
+
+
+# runs the train entry point and, as it exits, names which of DomainBed's heavy modules it had imported
+LOADED_AT_EXIT = ("import atexit, runpy, sys\n"
+                  "atexit.register(lambda: print('loaded:', [m for m in ('domainbed.algorithms', 'domainbed.datasets',"
+                  " 'torchvision') if m in sys.modules]))\n"
+                  "sys.argv[0] = 'domainbed_vasso.train'\n"
+                  "runpy.run_module('domainbed_vasso.train', run_name='__main__')\n")
+
+
+@pytest.mark.parametrize("hparams, named", [
+    ({"theat": 0.5}, "'theat' (closest valid: 'theta') is not an hparam of VASSO"),
+    ({"theta": 1.5}, "theta must be in"),
+])
+def test_train_refuses_a_bad_hparam_of_ours_before_loading_domainbeds_models_and_datasets(tmp_path, hparams,
+                                                                                          named):
+    # SAM's, GSAM's and VASSO's hparams are checked against the registry alone: torchvision and
+    # wilds, which DomainBed's algorithms and datasets import, take seconds a refusal need not wait
+    out = tmp_path / "out"
+    proc = process_group.run([PY, "-c", LOADED_AT_EXIT] + train_cmd(out, "VASSO", hparams)[3:], cwd=tmp_path,
+                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert named in one_error_line("\n".join(l for l in proc.stdout.splitlines() if not l.startswith("loaded:")))
+    assert "loaded: []" in proc.stdout.splitlines(), proc.stdout[-3000:]
     assert not out.exists()
 
 
