@@ -46,11 +46,24 @@ def take_flag(argv, flag):
     return rest, len(rest) != len(argv)
 
 
-def check_known(flag, name, module, listed):
-    """Refuse ``name``, the value of ``flag``, unless DomainBed's ``module`` (``domainbed.algorithms``
-    or ``.datasets``) defines it, as DomainBed looks it up, with the closest of ``listed``: DomainBed
-    itself finds out only after it has loaded the data (its train script) or launched every job
-    (its sweep)."""
+def check_algorithm(flag, name):
+    """Refuse ``name``, the value of ``flag``, unless ``domainbed.algorithms`` defines it (as
+    ``get_algorithm_class`` looks it up): DomainBed's train script finds out only after it has
+    loaded the data, its sweep after it has launched every job."""
+    from domainbed import algorithms
+    _check_known(flag, name, algorithms, algorithms.ALGORITHMS)
+
+
+def check_dataset(flag, name):
+    """Refuse ``name``, the value of ``flag``, unless ``domainbed.datasets`` defines it (as the
+    train script looks it up), ``RotatedDigits`` among them once registered."""
+    from domainbed import datasets
+
+    from .digits_dataset import NAME as DIGITS
+    _check_known(flag, name, datasets, datasets.DATASETS + [DIGITS])
+
+
+def _check_known(flag, name, module, listed):
     if name in vars(module):
         return
     close = difflib.get_close_matches(name, listed, n=1)

@@ -98,12 +98,10 @@ def main(argv=None):
         args = _cli.known_args(argv, _FLAGS)
         if args is not None:
             from domainbed import algorithms, datasets
-
-            from .digits_dataset import NAME as DIGITS
-            for algorithm in args.algorithms or ():  # DomainBed would launch every job to fail
-                _cli.check_known("--algorithms", algorithm, algorithms, algorithms.ALGORITHMS)
+            for algorithm in args.algorithms or ():
+                _cli.check_algorithm("--algorithms", algorithm)
             for dataset in args.datasets or ():
-                _cli.check_known("--datasets", dataset, datasets, datasets.DATASETS + [DIGITS])
+                _cli.check_dataset("--datasets", dataset)
             try:
                 overrides = _hp.parse_overrides(args.hparams)
                 for algorithm in (args.algorithms or algorithms.ALGORITHMS) if overrides else ():

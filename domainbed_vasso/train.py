@@ -55,11 +55,8 @@ def main(argv=None):
         check()
     _cli.register_or_exit()
     if args is not None:
-        from domainbed import algorithms, datasets
-
-        from .digits_dataset import NAME as DIGITS
-        _cli.check_known("--algorithm", args.algorithm, algorithms, algorithms.ALGORITHMS)
-        _cli.check_known("--dataset", args.dataset, datasets, datasets.DATASETS + [DIGITS])
+        _cli.check_algorithm("--algorithm", args.algorithm)
+        _cli.check_dataset("--dataset", args.dataset)
         if not ours:
             check()
         missing = missing_dataset(args.dataset, args.data_dir)

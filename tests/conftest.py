@@ -49,16 +49,14 @@ from gpu_marker import pytest_make_collect_report, pytest_runtest_makereport, py
 
 #: the session's inductor cache folder (None: the user named one), made before any test imports
 #: torch._dynamo by the process that loads this file first (xdist's controller), which removes it;
-#: its workers and the commands its tests start inherit it, named in _SESSION_INDUCTOR_CACHE too
-_SESSION_INDUCTOR_CACHE = "VASSO_TESTS_INDUCTOR_CACHE"
+#: its workers and the commands its tests start inherit it
+_INDUCTOR_PREFIX = "vasso-tests-inductor-"
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    INDUCTOR_CACHE = tempfile.mkdtemp(prefix="vasso-tests-inductor-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_SESSION_INDUCTOR_CACHE] = INDUCTOR_CACHE
-    atexit.register(shutil.rmtree, INDUCTOR_CACHE, ignore_errors=True)
-else:
-    INDUCTOR_CACHE = os.environ.get(_SESSION_INDUCTOR_CACHE)
-    if INDUCTOR_CACHE != os.environ["TORCHINDUCTOR_CACHE_DIR"]:
-        INDUCTOR_CACHE = None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=_INDUCTOR_PREFIX)
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+INDUCTOR_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+if not os.path.basename(INDUCTOR_CACHE).startswith(_INDUCTOR_PREFIX):
+    INDUCTOR_CACHE = None
 
 
 # The files that take longest in the README's test command (their wall time in a CI run on 2

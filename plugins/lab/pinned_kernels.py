@@ -46,22 +46,24 @@ EXPORT = "export " + " ".join(f"{k}={v}" for k, v in PINNED.items()) + " OMP_NUM
 CPUINFO = "/proc/cpuinfo"
 
 
-def _cpuinfo(field):
-    """The value of ``field`` in :data:`CPUINFO` (its first CPU), or None where it cannot be read."""
+def _first_cpu():
+    """Each field of :data:`CPUINFO` at its first occurrence, the first CPU's
+    (``{"vendor_id": "GenuineIntel", ...}``), or ``{}`` where it cannot be read."""
+    found = {}
     try:
         with open(CPUINFO, encoding="utf-8", errors="replace") as f:
             for line in f:
                 name, colon, value = line.partition(":")
-                if colon and name.strip() == field:
-                    return value.strip()
+                if colon:
+                    found.setdefault(name.strip(), value.strip())
     except OSError:
-        return None
-    return None
+        return {}
+    return found
 
 
 def _cpu_flags():
     """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read."""
-    flags = _cpuinfo("flags")
+    flags = _first_cpu().get("flags")
     return None if flags is None else set(flags.split())
 
 
@@ -86,13 +88,14 @@ MEASURED_VENDORS = ("AuthenticAMD",)
 
 def vendor():
     """This CPU's vendor as /proc/cpuinfo names it (``AuthenticAMD``, ``GenuineIntel``), or None."""
-    return _cpuinfo("vendor_id")
+    return _first_cpu().get("vendor_id")
 
 
 def cpu_kind():
     """This CPU's kind as /proc/cpuinfo names it: vendor, family and model (``GenuineIntel 6/167``),
     or None where it cannot be read. A virtual machine may report a model other than the host's."""
-    found = [_cpuinfo(field) for field in ("vendor_id", "cpu family", "model")]
+    cpu = _first_cpu()
+    found = [cpu.get(field) for field in ("vendor_id", "cpu family", "model")]
     return None if None in found else f"{found[0]} {found[1]}/{found[2]}"
 
 

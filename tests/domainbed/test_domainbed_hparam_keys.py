@@ -3,12 +3,10 @@ and sweep entry points before anything is written (DomainBed itself would ignore
 so a typo trains with the default); ``--allow-unknown-hparams`` keeps DomainBed's way."""
 
 import json
-import subprocess
 
-import process_group
 import pytest
 
-from domainbed_testlib import DOMAINBED, PY, SKIP_REASON, env, run_all, train_cmd
+from domainbed_testlib import DOMAINBED, PY, SKIP_REASON, run_all, train_cmd
 
 pytestmark = pytest.mark.skipif(DOMAINBED is None, reason=SKIP_REASON)
 
@@ -52,11 +50,12 @@ def test_train_refuses_a_bad_hparam_of_ours_before_loading_domainbeds_models_and
     # SAM's, GSAM's and VASSO's hparams are checked against the registry alone: torchvision and
     # wilds, which DomainBed's algorithms and datasets import, take seconds a refusal need not wait
     out = tmp_path / "out"
-    proc = process_group.run([PY, "-c", LOADED_AT_EXIT] + train_cmd(out, "VASSO", hparams)[3:], cwd=tmp_path,
-                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    assert named in one_error_line("\n".join(l for l in proc.stdout.splitlines() if not l.startswith("loaded:")))
-    assert "loaded: []" in proc.stdout.splitlines(), proc.stdout[-3000:]
+    cmd = train_cmd(out, "VASSO", hparams)
+    assert cmd[:3] == [PY, "-m", "domainbed_vasso.train"]
+    [(code, output)] = run_all([[PY, "-c", LOADED_AT_EXIT] + cmd[3:]])
+    assert code == 2, output[-3000:]
+    assert named in one_error_line("\n".join(l for l in output.splitlines() if not l.startswith("loaded:")))
+    assert "loaded: []" in output.splitlines(), output[-3000:]
     assert not out.exists()
 
 
