@@ -48,6 +48,7 @@ def perturb(step: StepInFlight, last: Optional[torch.Tensor], own: Store, scratc
         return last, sums
     inner = previous_inner(step, last is not None, sums, own)  # before d_t is written
     rule(step, sums, own, scratch)  # eqs. (5a)-(5b): d_t, and x_t + eps_t
+    inner = sums.get("slope_dot_last", inner)  # (fp16/bf16 VASSO: <d_t, d_{t-1}>, maybe read with ||d_t||)
     if not step.two_pass:  # the coin skipped: the base will step with g_t
         step.kind = Kind.FIRST_GRADIENT
         return last, sums
@@ -103,7 +104,8 @@ def first_pass_sums(step: StepInFlight, has_last: bool, scratch: Store, exchange
                     ) -> Dict[str, float]:
     """The step's one reduction and host read: ``grad`` ``||g_t||`` (finiteness, SAM's
     ``||v_t||``); ``grad_dot_last`` ``<g_t, v_last>`` for the scalar stability (SAM: g of the
-    last ascent; VASSO: d_{t-1}); ``slope`` VASSO's ``||d_t||`` from ``d_{t-1}`` and ``g_t``
+    last ascent; VASSO: d_{t-1}), or in fp16/bf16 VASSO's ``slope_dot_last`` ``<d_t, d_{t-1}>``
+    of ``d_t`` as rounded; ``slope`` VASSO's ``||d_t||`` from ``d_{t-1}`` and ``g_t``
     before ``d_t`` is written (the ascent's scale); where the sums cross ranks, adaptive
     geometry's ``||T v_t||`` (``scaled_slope``), which the ascent needs before the second
     pass.  A step the coin skips with a scaler reads only the finiteness of the scaled ``g_t``.
@@ -111,11 +113,16 @@ def first_pass_sums(step: StepInFlight, has_last: bool, scratch: Store, exchange
     knobs, lists, grads, previous = step.knobs, step.lists, step.grads, step.previous_slopes
     theta, layout = knobs.theta, lists.layout
     sums = Sums().norm("grad", grads)
-    if knobs.scalar_stability and step.two_pass and has_last and previous is not None:
-        slopes = lists.buffers.get("slope")  # (kept slopes: zeros stand in for the new ones' d_{t-1})
-        sums.inner("grad_dot_last", grads, slopes if slopes is not None else
-                   [torch.zeros_like(g) if d is g else d for g, d in zip(grads, previous)])
     vasso_norm = theta is not None and step.two_pass and previous is not None and lists.fuse_average_norm
+    last_slopes = None
+    if knobs.scalar_stability and step.two_pass and has_last and previous is not None:
+        last_slopes = lists.buffers.get("slope")  # (kept slopes: zeros stand in for the new ones' d_{t-1})
+        if last_slopes is None:
+            last_slopes = [torch.zeros_like(g) if d is g else d for g, d in zip(grads, previous)]
+        if theta is None or not lists.low_precision:
+            sums.inner("grad_dot_last", grads, last_slopes)
+        elif not vasso_norm:  # read with ||d_t|| after d_t is written (_slope_norm)
+            step.inner_against = last_slopes
     if vasso_norm and not lists.low_precision:
         sums.norm_of("slope", lambda d, g: P.moving_average(d, g, theta, in_place=False), previous, grads)
     elif vasso_norm:
@@ -125,6 +132,10 @@ def first_pass_sums(step: StepInFlight, has_last: bool, scratch: Store, exchange
         # finite) until the restore
         step.computed = _slope_ahead(step, lists.buffer(scratch, "anchor", step.params))
         sums.norm("slope", step.computed)
+        if last_slopes is not None:  # <d_t, d_{t-1}> of d_t as rounded, as the device path takes it:
+            # from <g_t, d_{t-1}> (moving_average_inner) it would miss d_t's rounding, which the
+            # stability's cancellation magnifies (rho^2 / stability^2, about 100 times)
+            sums.inner("slope_dot_last", step.computed, last_slopes)
     if knobs.adaptive and step.two_pass and layout.collective:
         ts = P.adaptive_scales(step.params, lists.mask, knobs.eta)
         if step.computed is not None or theta is None or previous is None:  # v_t is there already
@@ -172,12 +183,14 @@ def _times(vs: List[torch.Tensor], ts: List[torch.Tensor]) -> List[torch.Tensor]
 
 
 def previous_inner(step: StepInFlight, has_last: bool, sums: Dict[str, float], own: Store):
-    """``<g_t, v_last>`` for the scalar stability, from the sums or (a changed set of
-    parameters with a gradient) from the kept slopes; None where not wanted."""
+    """``<g_t, v_last>`` for the scalar stability (fp16/bf16 VASSO: ``<d_t, d_{t-1}>``, where
+    the first pass's sums took it), from the sums or (a changed set of parameters with a
+    gradient) from the kept slopes; None where not wanted."""
     if not (step.knobs.scalar_stability and step.two_pass and has_last):
         return None
-    if "grad_dot_last" in sums:
-        return sums["grad_dot_last"]
+    for key in ("slope_dot_last", "grad_dot_last"):
+        if key in sums:
+            return sums[key]
     layout = step.lists.layout
     counted = range(len(step.grads)) if layout.counted is None else layout.counted
     kept = step.lists.kept_slopes(own)
@@ -197,6 +210,10 @@ def rule(step: StepInFlight, sums: Dict[str, float], own: Store, scratch: Store)
     else:
         g = step.grads
     slopes, targets, sources, theta, fresh = _slope_targets(step, g, own)
+    if step.inner_against is not None:  # d_{t-1} kept where x_t goes later (_ascend), before d_t overwrites it
+        kept = step.lists.buffer(scratch, "anchor", step.params)
+        copy_(kept, step.inner_against)
+        step.inner_against = kept
     ascend = functools.partial(_ascend, step, slopes, sums, scratch) if step.two_pass else None
     P.rule_(targets, sources, theta, lambda: _slope_norm(step, slopes, sums, fresh), ascend)
 
@@ -228,7 +245,13 @@ def _slope_norm(step: StepInFlight, slopes: List[torch.Tensor], sums: Dict[str, 
         return sums["slope"]
     if fresh == []:  # every d_0 = g_0, copied exactly (in g's dtype): ||d_0|| = ||g_0||
         return sums["grad"]
-    return float(reductions.global_norm(slopes, step.lists.plan, step.lists.layout))
+    lists = step.lists
+    if step.inner_against is not None:  # fp16/bf16: <d_t, d_{t-1}> as first_pass_sums takes it
+        after = Sums().norm("slope", slopes).inner("slope_dot_last", slopes, step.inner_against)
+        sums.update(after.read(after.reduce(lists.plan, layout=lists.layout)))
+        step.inner_against = None
+        return sums["slope"]
+    return float(reductions.global_norm(slopes, lists.plan, lists.layout))
 
 
 def _ascend(step: StepInFlight, slopes: List[torch.Tensor], sums: Dict[str, float], scratch: Store,
@@ -259,7 +282,8 @@ def diagnose(step: StepInFlight, sums: Dict[str, float], inner_previous, last: O
     applied = None
     if knobs.track_stability:
         kept = step.lists.buffer(own, "previous_ascent", step.grads, zeros=True) if knobs.buffered_stability else None
-        diag["stability"] = diagnostics.stability(step, last, ascent_norm, theta=knobs.theta,
+        theta = None if "slope_dot_last" in sums else knobs.theta  # (None: the inner is <v_t, v_{t-1}> already)
+        diag["stability"] = diagnostics.stability(step, last, ascent_norm, theta=theta,
                                                   inner_previous=inner_previous, kept=kept, deferred=deferred)
         applied = _record_ascent(step, ascent_norm)
     if deferred:

@@ -91,6 +91,8 @@ class StepInFlight:
     loss_scale: Optional[torch.Tensor] = None         # the scaler's scale g_t carries (None: unscaled)
     previous_slopes: Optional[List[torch.Tensor]] = None  # d_{t-1} (d_0 = g_0 where none is kept yet)
     computed: Optional[List[torch.Tensor]] = None     # d_t computed before the sums (fp16/bf16, partition_group)
+    # fp16/bf16 VASSO whose d_t is written before its norm is read: d_{t-1}, for <d_t, d_{t-1}>
+    inner_against: Optional[List[torch.Tensor]] = None
     slope_norm: float = float("nan")                  # ||v_t||
     eps: Optional[List[torch.Tensor]] = None          # eps_t, materialized in adaptive geometry only
     diagnostics: Optional[Diagnostics] = None

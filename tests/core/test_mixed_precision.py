@@ -774,3 +774,39 @@ def test_a_wrapper_hands_the_core_the_scalers_verdict(overflow):
     assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
     assert torch.equal(flat(model.parameters()), start) is overflow
     assert opt.nonfinite_steps == int(overflow)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["d_t ahead", "d_t in place"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_vassos_stability_on_the_host_path_is_the_device_paths(dtype, fused, monkeypatch):
+    """fp16/bf16 VASSO's stability ||eps_t - eps_{t-1}|| cancels (rho^2 against its square,
+    here about 300 times): the host path (ZeRO/OSS, hand splits) takes <d_t, d_{t-1}> over
+    d_t as rounded, as the device path does, not from <g_t, d_{t-1}>, which misses d_t's
+    rounding (off by 1e-3 of the stability under fairseq's --memory-efficient-fp16)."""
+    if not fused:
+        monkeypatch.setattr(O, "StepLists", _SeparateNorm)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(4096, generator=gen), torch.randn(64, 64, generator=gen)]
+    direction = [torch.randn(t.shape, generator=gen) for t in start]
+    noise = [[0.1 * torch.randn(t.shape, generator=gen) for t in start] for _ in range(4)]
+
+    def stabilities(on_device):
+        params = [torch.nn.Parameter(t.to(dtype)) for t in start]
+        opt = VASSO(params, torch.optim.SGD, rho=0.5, theta=0.4, lr=1e-3)
+        opt._decide_on_device = on_device
+        out = []
+        for step in noise:
+            for q, d, n in zip(params, direction, step):
+                q.grad = (d + n).to(dtype)
+            opt.perturb()
+            for q, d in zip(params, direction):
+                q.grad = d.to(dtype)
+            opt.descend()
+            out.append(float(opt.diagnostics["stability"]))
+        return out
+
+    device, host = stabilities(True), stabilities(False)
+    assert math.isnan(device[0]) and math.isnan(host[0]) and 0.01 < device[-1] < 0.05
+    # (what is left, about 1.5e-5, is the device path's float32 ||d_t|| in the ascent's scale,
+    # times the cancellation; from <g_t, d_{t-1}> the host was 2e-3 (fp16) and 1.4e-2 (bf16) off)
+    assert host[1:] == pytest.approx(device[1:], rel=1e-4)
