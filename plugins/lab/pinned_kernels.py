@@ -22,12 +22,12 @@ in one that has imported torch. Where the pin cannot apply (another architecture
 without AVX2, on which torch would stop at its first AVX2 instruction) :func:`unavailable`
 says why. docs/fairseq.md ("Quick start on a CPU") gives :data:`EXPORT` for a shell.
 
-The pin does not make every CPU agree: on an Intel Xeon with AMX the pinned kernels round
-otherwise (one float32 ulp in the first step of ``tests/core/test_numerics_pin.py``, with MKL
+The pin does not make every CPU agree: on the Intel Xeons measured (with AMX and without) the
+pinned kernels round otherwise than on AMD's (one float32 ulp in the first step of ``tests/core/test_numerics_pin.py``, with MKL
 on its COMPATIBLE path there; neither glibc's CPU dispatch nor MKL's other switches move it).
 So the checks of the documented numbers run where :func:`unmeasured` is None and skip
 elsewhere, saying why; the pins of the core's trajectories (``tests/core/test_numerics_pin.py``)
-are kept per CPU kind (:func:`cpu_kind`), one of them that Intel Xeon's.
+are kept per CPU kind (:func:`cpu_kind`).
 """
 
 import os
