@@ -121,8 +121,10 @@ def first_pass_sums(step: StepInFlight, has_last: bool, scratch: Store, exchange
             last_slopes = [torch.zeros_like(g) if d is g else d for g, d in zip(grads, previous)]
         if theta is None or not lists.low_precision:
             sums.inner("grad_dot_last", grads, last_slopes)
-        elif not vasso_norm:  # read with ||d_t|| after d_t is written (_slope_norm)
-            step.inner_against = last_slopes
+        elif not vasso_norm:  # read with ||d_t|| after d_t is written (_slope_norm), against d_{t-1}
+            # kept where x_t goes only later (_ascend)
+            step.inner_against = lists.buffer(scratch, "anchor", step.params)
+            copy_(step.inner_against, last_slopes)
     if vasso_norm and not lists.low_precision:
         sums.norm_of("slope", lambda d, g: P.moving_average(d, g, theta, in_place=False), previous, grads)
     elif vasso_norm:
@@ -183,14 +185,15 @@ def _times(vs: List[torch.Tensor], ts: List[torch.Tensor]) -> List[torch.Tensor]
 
 
 def previous_inner(step: StepInFlight, has_last: bool, sums: Dict[str, float], own: Store):
-    """``<g_t, v_last>`` for the scalar stability (fp16/bf16 VASSO: ``<d_t, d_{t-1}>``, where
-    the first pass's sums took it), from the sums or (a changed set of parameters with a
-    gradient) from the kept slopes; None where not wanted."""
+    """``<g_t, v_last>`` for the scalar stability, from the sums or (a changed set of
+    parameters with a gradient) from the kept slopes; None where not wanted, or where the
+    sums take fp16/bf16 VASSO's ``<d_t, d_{t-1}>`` instead."""
     if not (step.knobs.scalar_stability and step.two_pass and has_last):
         return None
-    for key in ("slope_dot_last", "grad_dot_last"):
-        if key in sums:
-            return sums[key]
+    if "grad_dot_last" in sums:
+        return sums["grad_dot_last"]
+    if "slope_dot_last" in sums or step.inner_against is not None:
+        return None  # fp16/bf16 VASSO's <d_t, d_{t-1}>, with ||d_t||: perturb() takes it from the sums
     layout = step.lists.layout
     counted = range(len(step.grads)) if layout.counted is None else layout.counted
     kept = step.lists.kept_slopes(own)
@@ -210,10 +213,6 @@ def rule(step: StepInFlight, sums: Dict[str, float], own: Store, scratch: Store)
     else:
         g = step.grads
     slopes, targets, sources, theta, fresh = _slope_targets(step, g, own)
-    if step.inner_against is not None:  # d_{t-1} kept where x_t goes later (_ascend), before d_t overwrites it
-        kept = step.lists.buffer(scratch, "anchor", step.params)
-        copy_(kept, step.inner_against)
-        step.inner_against = kept
     ascend = functools.partial(_ascend, step, slopes, sums, scratch) if step.two_pass else None
     P.rule_(targets, sources, theta, lambda: _slope_norm(step, slopes, sums, fresh), ascend)
 

@@ -23,8 +23,9 @@ without AVX2, on which torch would stop at its first AVX2 instruction) :func:`un
 says why. docs/fairseq.md ("Quick start on a CPU") gives :data:`EXPORT` for a shell.
 
 The pin does not make every CPU agree: on the Intel Xeons measured (with AMX and without) the
-pinned kernels round otherwise than on AMD's (one float32 ulp in the first step of ``tests/core/test_numerics_pin.py``, with MKL
-on its COMPATIBLE path there; neither glibc's CPU dispatch nor MKL's other switches move it).
+pinned kernels round otherwise than on AMD's (one float32 ulp in the first step of
+``tests/core/test_numerics_pin.py``, with MKL on its COMPATIBLE path there; neither glibc's CPU
+dispatch nor MKL's other switches move it).
 So the checks of the documented numbers run where :func:`unmeasured` is None and skip
 elsewhere, saying why; the pins of the core's trajectories (``tests/core/test_numerics_pin.py``)
 are kept per CPU kind (:func:`cpu_kind`).
