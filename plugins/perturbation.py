@@ -129,7 +129,7 @@ def ascent_direction(
         if t is not None:
             tv.mul_(t)  # T (T v) = T^2 v
     if scaled:
-        torch._foreach_mul_(scaled, ascent_scale(rho, norm).float())
+        torch._foreach_mul_(scaled, ascent_scale(rho, norm).to(scalar_dtype(scaled)))
     return scaled, norm
 
 
@@ -152,8 +152,8 @@ def ascend_along_(params: Tensors, directions: Tensors, rho: float, norm: float,
     if not adaptive or not params:
         ascend_(params, directions, rho, norm)
         return
-    factor = ascent_scale(rho, torch.full((), norm, dtype=torch.float64, device=params[0].device)).float()
-    torch._foreach_add_(params, torch._foreach_mul(directions, factor))
+    factor = ascent_scale(rho, torch.full((), norm, dtype=torch.float64, device=params[0].device))
+    torch._foreach_add_(params, torch._foreach_mul(directions, factor.to(scalar_dtype(directions))))
 
 
 def ascend_(params: Tensors, slopes: Tensors, rho: float, norm, *,
@@ -202,6 +202,15 @@ def descend_from_ascent_(params: Tensors, slopes: Tensors, scale,
         torch._foreach_sub_(params, torch._foreach_mul(list(slopes), scale), alpha=rho)
     elif params:  # (products made by the caller come as slopes with scale = rho: the same op as above)
         torch._foreach_sub_(params, list(slopes), alpha=scale)
+
+
+def scalar_dtype(tensors: Tensors) -> torch.dtype:
+    """The dtype of a 0-dim tensor that multiplies ``tensors`` (a device scale, GSAM's factor):
+    theirs (the widest of several), float32 for fp16/bf16.  A scalar tensor of another dtype
+    sends CUDA's foreach ops to one kernel per tensor; rounded to fp16/bf16, a factor near 1
+    would be 1; rounded to float32, float64 parameters would step in float32's precision."""
+    return functools.reduce(torch.promote_types, {torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+                                                  for t in tensors})
 
 
 def ascent_scale(rho, norm):
@@ -287,14 +296,11 @@ def gsam_correct(second_grads: Tensors, first_grads: Tensors, alpha: float, *,
     if torch.is_tensor(h_norm):  # 0-dim device tensors (a step decided on the device): no host decision
         h_sq = h_norm * h_norm
         moved = h_sq > 0.0  # h == 0: left as it is, as below
-        # in the gradients' dtype (the sums are float64): a scalar tensor of another dtype sends
-        # CUDA's foreach ops to one kernel per tensor; float32 is what multiplies them anyway.
-        # fp16/bf16 take it in float32: rounded to theirs, a factor near 1 would be 1
-        dtype = functools.reduce(torch.promote_types, {torch.float32 if h.dtype in LOW_PRECISION else h.dtype
-                                                       for h in second_grads})  # (several: the widest)
+        dtype = scalar_dtype(second_grads)  # (the sums are float64)
         factor = torch.where(moved, 1.0 + alpha * (g_dot_h / h_sq), torch.ones_like(h_sq)).to(dtype)
         torch._foreach_mul_(list(second_grads), factor)
-        torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), (moved * -alpha).to(dtype)))
+        # -alpha in that dtype (a bool tensor times a float would be float32, whatever the gradients')
+        torch._foreach_add_(list(second_grads), torch._foreach_mul(list(first_grads), moved.to(dtype) * -alpha))
         return
     h_sq = h_norm * h_norm
     if h_sq == 0.0:

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
+import plugins
 from plugins import SAM, VASSO
-from plugins.lab.selftest.reference import reference_steps
+from plugins.lab.selftest.reference import MEMBERS, reference_steps
 from core_helpers import FAMILY, build, closure_for, first_backward, flat, make_batches, make_model
 
 
@@ -61,6 +62,32 @@ def test_parameters_without_gradient_are_left_alone(kind):
     assert torch.equal(frozen, before)
     assert frozen not in opt.state or not opt.state[frozen]
 
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("member", list(MEMBERS))
+def test_float64_parameters_step_as_the_float64_equations(member, path):
+    """Every member with float64 parameters, on either path (docs/design.md, "Where a step is
+    decided"), six steps of plain SGD: the float64 reference of the equations to float64's
+    rounding.  A scalar of the step rounded to float32 (ASAM's rho / ||T v||, GSAM's alpha)
+    leaves 1e-10 there."""
+    cls, knobs = MEMBERS[member]
+    rho, lr = 0.07, 0.1
+    model = make_model().double()
+    batches = make_batches(6)
+
+    def loss(params, t):
+        w1, b1, w2, b2 = params
+        x, y = batches[t]
+        return torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x.double(), w1, b1)), w2, b2), y)
+
+    expected = reference_steps(loss, list(model.parameters()), len(batches), lr=lr, rho=rho, seed=5, **knobs)
+    opt = getattr(plugins, cls)(model.parameters(), torch.optim.SGD, rho=rho, lr=lr, seed=5, **knobs)
+    opt._decide_on_device = path == "device"
+    for t, (x, y) in enumerate(batches):
+        opt.step(closure_for(opt, model, x.double(), y))
+        torch.testing.assert_close(flat(model.parameters()), flat(expected[t]), rtol=1e-12, atol=1e-14)
 
 @pytest.mark.parametrize("theta", [0.2, 0.4, 0.9, 1.0])
 def test_vasso_matches_the_papers_equations(theta):
