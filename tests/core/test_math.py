@@ -64,6 +64,17 @@ def test_parameters_without_gradient_are_left_alone(kind):
 
 
 
+def model_loss(batches):
+    """make_model()'s loss on ``batches[t]`` as a function of its parameters, in float64: the
+    model that reference_steps takes."""
+    def loss(params, t):
+        w1, b1, w2, b2 = params
+        x, y = batches[t]
+        return torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x.double(), w1, b1)), w2, b2), y)
+    return loss
+
+
 @pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("member", list(MEMBERS))
 def test_float64_parameters_step_as_the_float64_equations(member, path):
@@ -75,19 +86,14 @@ def test_float64_parameters_step_as_the_float64_equations(member, path):
     rho, lr = 0.07, 0.1
     model = make_model().double()
     batches = make_batches(6)
-
-    def loss(params, t):
-        w1, b1, w2, b2 = params
-        x, y = batches[t]
-        return torch.nn.functional.cross_entropy(
-            torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x.double(), w1, b1)), w2, b2), y)
-
-    expected = reference_steps(loss, list(model.parameters()), len(batches), lr=lr, rho=rho, seed=5, **knobs)
+    expected = reference_steps(model_loss(batches), list(model.parameters()), len(batches), lr=lr, rho=rho,
+                               seed=5, **knobs)
     opt = getattr(plugins, cls)(model.parameters(), torch.optim.SGD, rho=rho, lr=lr, seed=5, **knobs)
     opt._decide_on_device = path == "device"
     for t, (x, y) in enumerate(batches):
         opt.step(closure_for(opt, model, x.double(), y))
         torch.testing.assert_close(flat(model.parameters()), flat(expected[t]), rtol=1e-12, atol=1e-14)
+
 
 @pytest.mark.parametrize("theta", [0.2, 0.4, 0.9, 1.0])
 def test_vasso_matches_the_papers_equations(theta):
@@ -97,14 +103,7 @@ def test_vasso_matches_the_papers_equations(theta):
     rho, lr = 0.05, 0.1
     model = make_model()
     batches = make_batches(6)
-
-    def loss(params, t):
-        w1, b1, w2, b2 = params
-        x, y = batches[t]
-        return torch.nn.functional.cross_entropy(
-            torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x.double(), w1, b1)), w2, b2), y)
-
-    expected = reference_steps(loss, list(model.parameters()), len(batches), lr=lr, rho=rho, theta=theta)
+    expected = reference_steps(model_loss(batches), list(model.parameters()), len(batches), lr=lr, rho=rho, theta=theta)
     opt = VASSO(model.parameters(), torch.optim.SGD, rho=rho, theta=theta, lr=lr)
     for t, (x, y) in enumerate(batches):
         first_backward(model, x, y)
