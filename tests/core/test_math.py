@@ -63,7 +63,6 @@ def test_parameters_without_gradient_are_left_alone(kind):
     assert frozen not in opt.state or not opt.state[frozen]
 
 
-
 def model_loss(batches):
     """make_model()'s loss on ``batches[t]`` as a function of its parameters, in float64: the
     model that reference_steps takes."""
