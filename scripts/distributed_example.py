@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -153,12 +154,19 @@ def run(setup, data, save_at, out):
     return losses, two_pass, error, resume_gap
 
 
+#: how long a rank other than 0 waits, after a refusal, for torchrun to stop it
+REFUSAL_WAIT_S = 60
+
+
 class _Parser(argparse.ArgumentParser):
     """Under torchrun every rank parses the same command line: rank 0 alone prints a refusal
-    (once, before any process group exists), and every rank exits with argparse's status 2."""
+    (once, before any process group exists) and exits with argparse's status 2.  The other
+    ranks wait for torchrun to stop them: it stops every rank as soon as one exits, so one
+    that exited at once could stop rank 0 before its message is out."""
 
     def error(self, message):
         if os.environ.get("RANK", "0") != "0":
+            time.sleep(REFUSAL_WAIT_S)
             self.exit(2)
         super().error(message)
 
