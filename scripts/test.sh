@@ -12,15 +12,17 @@ if [ -z "${DOMAINBED_ROOT:-}" ] && [ -f ../shared/DomainBed/domainbed/__init__.p
     export DOMAINBED_ROOT
     echo "DomainBed tests use DOMAINBED_ROOT=$DOMAINBED_ROOT"
 fi
-# On every core, as CI runs it (pytest-xdist, each file on one worker: tests/conftest.py
-# orders the files and names each as it starts and ends), at most 8 workers (each holds
-# torch and fairseq, and many tests start processes of their own); not where the
-# arguments choose the workers (-n, -p no:xdist) or need one process (--pdb, --trace).
+# One worker more than the cores, as CI runs it (pytest-xdist, each file on one worker:
+# tests/conftest.py orders the files and names each as it starts and ends): many files wait
+# on the processes they start (Slurm's jobs, torchrun's ranks, the docs' commands), and the
+# extra worker fills those waits; at most 8 workers (each holds torch and fairseq, and many
+# tests start processes of their own); not where the arguments choose the workers (-n,
+# -p no:xdist) or need one process (--pdb, --trace).
 workers=()
 # the cores this process may use (nproc would count OMP_NUM_THREADS, set below, instead)
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 if [ "$cores" -gt 1 ] && ! printf '%s\n' "$@" | grep -qE '^(-n|--numprocesses|--dist|--pdb|--trace|no:xdist$|-pno:xdist$)'; then
-    workers=(-n "$((cores < 8 ? cores : 8))" --dist loadfile)
+    workers=(-n "$((cores < 7 ? cores + 1 : 8))" --dist loadfile)
 fi
 # The tests use tiny models, often in several processes at once: one thread each
 # avoids OpenMP spinning against the other processes on small machines.

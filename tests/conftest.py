@@ -22,8 +22,8 @@ a ``two_gpus`` test on a one-GPU node, which is reported as not run.
 
 And the order of the files on the test command's xdist workers (``--dist loadfile``: each file
 on one worker, its module and session fixtures built once there): the files that take minutes
-start first, longest first (``LONGEST_FIRST``), so that neither worker is left with one of them
-at the end while the other idles; the files that share a session fixture which takes minutes
+start first, longest first (``LONGEST_FIRST``), so that no worker is left with one of them
+at the end while the others idle; the files that share a session fixture which takes minutes
 to build run on the same worker (``SAME_WORKER``), so that it is built once.
 
 And a line when each test file starts (under xdist, whose dots name no file) and one when it
@@ -60,7 +60,7 @@ if not os.path.basename(INDUCTOR_CACHE).startswith(_INDUCTOR_PREFIX):
 
 
 # The files that take longest in the README's test command (their wall time in a CI run on 2
-# cores of an Intel Xeon, beside the other worker: the docs' commands on their own pool of two,
+# cores of an Intel Xeon, beside the other workers: the docs' commands on their own pool of two,
 # Slurm's sweeps, the demos, ranks training side by side, fairseq's and DomainBed's own suites,
 # commands that each import torch): started first, in this order. A name that no longer exists
 # fails the session (pytest_configure), so that the list follows the files.

@@ -1,6 +1,6 @@
-"""The README's test command: scripts/test.sh runs pytest on every core, and tests/conftest.py
-says, under xdist, whose dots name no file, when each test file starts and ends, and keeps
-torch's inductor cache folder in one of the session's own."""
+"""The README's test command: scripts/test.sh runs pytest with one worker more than the
+cores, and tests/conftest.py says, under xdist, whose dots name no file, when each test file
+starts and ends, and keeps torch's inductor cache folder in one of the session's own."""
 
 import os
 import re
@@ -26,8 +26,8 @@ def test_each_file_is_named_when_it_starts_and_when_it_ends():
         assert len(started) == 1 and len(ended) == 1 and started[0] < ended[0], (file, out.stdout[-3000:])
 
 
-def test_the_test_command_runs_pytest_on_every_core(tmp_path):
-    # scripts/test.sh adds pytest-xdist's workers, one per core this process may use (at most 8),
+def test_the_test_command_runs_one_pytest_worker_more_than_the_cores(tmp_path):
+    # scripts/test.sh adds pytest-xdist's workers, one more than the cores this process may use (at most 8),
     # whatever OMP_NUM_THREADS says (the quick start exports 1, and nproc counts it), and none where
     # the arguments choose. Its environment is a stand-in: a python that prints its arguments, in a
     # venv that setup_env.sh finds ready (its stamp), so nothing is installed
@@ -50,7 +50,7 @@ def test_the_test_command_runs_pytest_on_every_core(tmp_path):
         assert out.returncode == 0 and "packages up to date" in out.stdout, out.stdout + out.stderr
         return out.stdout.splitlines()[-1]
 
-    assert run("-ra") == f"python -m pytest -n {min(cores, 8)} --dist loadfile -ra"
+    assert run("-ra") == f"python -m pytest -n {min(cores + 1, 8)} --dist loadfile -ra"
     assert run("-ra", "-n", "0") == "python -m pytest -ra -n 0"
     assert run("--pdb", "tests/core") == "python -m pytest --pdb tests/core"
 
