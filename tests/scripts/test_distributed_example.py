@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import process_group
+from checkout import REPO
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                      "scripts", "distributed_example.py")
+SCRIPT = os.path.join(REPO, "scripts", "distributed_example.py")
 
 
 def test_a_refusal_is_rank_0s_and_the_other_ranks_wait_for_torchrun_to_stop_them(tmp_path):
