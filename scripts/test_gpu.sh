@@ -33,8 +33,10 @@
 # --wheelhouse venv and stop (no GPU needed). The venv gets every package
 # of DIR/requirements.txt from DIR, in its own site-packages (the node's copies of them stay where
 # they are, unused; the torch stack is the node's): the set-up lists them and fails unless each is
-# then imported from the venv at DIR's version. The venv is made again when the wheelhouse, the
-# Python or its torch changed, and a failed set-up removes it. Arguments after -- go to part 2's pytest.
+# then imported from the venv at DIR's version, and where one breaks a node package the venv sees
+# too (pip check, before and after), naming the constraints for scripts/wheelhouse.sh --constraint.
+# The venv is made again when the wheelhouse, the Python or its torch changed, and a failed set-up
+# removes it. Arguments after -- go to part 2's pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }  # the comment above
@@ -246,6 +248,13 @@ if sys.prefix != sys.base_prefix:
             > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/node_packages.pth" || exit 1
         "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(not all(map(importlib.util.find_spec, ('torch', 'pip'))))" \
             || { echo "test_gpu.sh: $VENV does not see $BASE's torch and pip" >&2; exit 1; }
+        # the venv sees the node's packages, and the wheelhouse's copy of one shadows the node's: a
+        # node package that needs the node's version (a node's transformers pinning huggingface-hub
+        # below the wheelhouse's) then breaks, and with it what imports it. pip check before the
+        # install and after it: the conflicts the install brought stop the set-up
+        conflicts() { PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip --isolated check --disable-pip-version-check \
+                          2>/dev/null | grep " has requirement " | sort; }
+        node_conflicts=$(conflicts)
         stage "installing the $(grep -c . "$WHEELHOUSE/requirements.txt") packages of $WHEELHOUSE/requirements.txt" \
               "from it into $VENV (no index, no network, no pip configuration)"
         # pinned by wheelhouse.sh's resolution; --no-deps: the torch stack is the node's own;
@@ -287,6 +296,16 @@ if wrong:
 print(" ".join(ok))
 PY
 ) || { echo "test_gpu.sh: the install from $WHEELHOUSE did not take (above)" >&2; exit 1; }
+        brought=$(comm -13 <(echo "$node_conflicts") <(conflicts))
+        if [ -n "$brought" ]; then
+            { echo "test_gpu.sh: the wheelhouse's packages break packages of the node that $VENV sees too (pip check):"
+              sed 's/^/    /' <<<"$brought"
+              echo "  fix: make the wheelhouse again with the node's needs kept: a file of these lines, named by"
+              echo "  --constraint FILE on the scripts/wheelhouse.sh command (test_gpu.sh --node-platform prints it):"
+              sed -E 's/^.* has requirement (.*), but you have .*$/    \1/' <<<"$brought" | sort -u
+            } >&2
+            exit 1
+        fi
         stage "installed from the wheelhouse into $VENV ($(wc -w <<<"$installed") packages, each imported from there):"
         fold -s -w 100 <<<"$installed" | sed 's/^/    /'
         stage "from the node ($BASE): torch ${node[torch]}${node[torchvision]:+, torchvision ${node[torchvision]}}"

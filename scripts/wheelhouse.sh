@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A folder of wheels for a GPU node without network (scripts/test_gpu.sh --wheelhouse DIR), built
 # on a machine with network:
-#   bash scripts/wheelhouse.sh DIR --python-version 3.12 --platform manylinux_2_28_x86_64 [--torch 2.11.0]
+#   bash scripts/wheelhouse.sh DIR --python-version 3.12 --platform manylinux_2_28_x86_64 [--torch 2.11.0] [--constraint FILE]
 # DIR holds this project as a wheel and every package its extras (setup.cfg: fairseq, domainbed,
 # test, slurm, sharding) need, pinned in DIR/requirements.txt, for that Python and platform,
 # WITHOUT the torch stack (torch, torchvision, torchaudio, triton, nvidia-*, cuda-*): the node
@@ -17,15 +17,19 @@
 # a PYTHON of another version, or without the node's torch (--torch), numpy or cython, naming the
 # fix; while it compiles it says every 30 s how long it has taken (and the build log's last line).
 # --find-links FOLDER (repeatable): wheels built already (e.g. fairseq-fixed by the node's Python).
+# --constraint FILE (repeatable): pip constraints the resolution keeps, such as the versions a
+# node's own packages need (scripts/test_gpu.sh names them when the wheelhouse's copies break those).
 # The node's platform: `python3 -c 'import sysconfig; print(sysconfig.get_platform())'` on the node
 # gives e.g. linux-x86_64, and `ldd --version | head -1` its glibc, e.g. 2.28: manylinux_2_28_x86_64.
 # DIR must be new or empty. Run `bash scripts/wheelhouse.sh --help` for this text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }  # the comment above
-DIR="" PYVER="" PLATFORM="" TORCH="" LINKS=()
+DIR="" PYVER="" PLATFORM="" TORCH="" LINKS=() CONSTRAINTS=()
 while [ $# -gt 0 ]; do
     case "$1" in
+        --constraint) [ -f "${2:-}" ] || { echo "wheelhouse.sh: --constraint needs a file of pip constraints, got '${2:-}'" >&2; exit 2; }
+                      CONSTRAINTS+=(--constraint "$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"); shift 2 ;;
         --find-links) [ -d "${2:-}" ] || { echo "wheelhouse.sh: --find-links needs a folder of wheels" >&2; exit 2; }
                       LINKS+=(--find-links "$(cd "$2" && pwd)"); shift 2 ;;
         --python-version) PYVER=${2:?--python-version needs a value, e.g. 3.12}; shift 2 ;;
@@ -170,7 +174,8 @@ reqs=("vasso-plugins[$EXTRAS]")
 for attempt in $(seq 1 12); do
     say "resolving ${reqs[*]} for Python $PYVER on $PLATFORM (attempt $attempt)"
     if pip_ install -q --dry-run --ignore-installed --report "$work/report.json" --target "$work/target" \
-            --only-binary :all: "${target[@]}" --find-links "$DIR" "${LINKS[@]}" "${reqs[@]}" >"$work/resolve.log" 2>&1; then
+            --only-binary :all: "${target[@]}" --find-links "$DIR" "${LINKS[@]}" "${CONSTRAINTS[@]}" "${reqs[@]}" \
+            >"$work/resolve.log" 2>&1; then
         break
     fi
     missing=$(sed -n 's/.*No matching distribution found for \([^ ;]*\).*/\1/p' "$work/resolve.log" | head -1)

@@ -239,6 +239,11 @@ COMMANDS = classified(
         "needs GPUs and a wheelhouse (without a GPU it refuses, saying so): its usage names the flags",
         check="bash scripts/test_gpu.sh --help", expect=("--wheelhouse", "--python PATH"))),
     ("PYTHON=/path/to/python3.12 bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.12 "
+     "--platform manylinux_2_28_x86_64 --torch 2.11.0 --constraint node-constraints.txt", check_only(
+        "the command above with a file of constraints (tests/scripts/test_wheelhouse_refusals.py refuses a missing "
+        "one): its usage names the flag",
+        check="bash scripts/wheelhouse.sh --help", expect=("--constraint FILE",))),
+    ("PYTHON=/path/to/python3.12 bash scripts/wheelhouse.sh /tmp/vasso-wheels --python-version 3.12 "
      "--platform manylinux_2_28_x86_64 --torch 2.11.0", check_only(
         "minutes of downloads and a fairseq build for another Python (tests/scripts/test_wheelhouse_refusals.py "
         "runs its checks): its usage names the flags",

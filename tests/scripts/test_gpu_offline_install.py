@@ -212,3 +212,46 @@ def test_a_folder_the_script_did_not_make_is_never_replaced(wheelhouse, tmp_path
     proc = run_test_gpu("--wheelhouse", wheelhouse, "--install-only", python=sys.executable, venv=mine)
     assert proc.returncode == 2 and "exists and is not a venv this script made" in proc.stderr, proc.stderr[-2000:]
     assert sorted(os.listdir(mine)) == ["notes.txt"] and (mine / "notes.txt").read_text() == "a user's file"
+
+
+def fake_wheel(folder, name, version, code=""):
+    """A pure-Python wheel of ``name`` at ``version``: one module and its metadata, as pip reads one."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": code,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = []
+    with zipfile.ZipFile(os.path.join(folder, f"{name}-{version}-py3-none-any.whl"), "w") as whl:
+        for rel, text in files.items():
+            whl.writestr(rel, text)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+            record.append(f"{rel},sha256={digest},{len(text.encode())}")
+        whl.writestr(f"{info}/RECORD", "\n".join(record + [f"{info}/RECORD,,"]) + "\n")
+    return f"{name}=={version}"
+
+
+@needs_network_cut
+def test_a_wheelhouse_that_breaks_a_node_package_is_refused_naming_the_constraint(wheelhouse, tmp_path):
+    """As on an H200 node whose transformers pins huggingface-hub below 2: the wheelhouse's copy of
+    a package shadows the node's in the venv and breaks a node package that needs the node's (here
+    sacrebleu, which needs tabulate>=0.8.9, against a wheelhouse's tabulate 0.0.1). The set-up stops,
+    names the broken requirement and the constraint that makes a wheelhouse that keeps it, and
+    leaves no venv behind; conflicts the node had already are not the wheelhouse's."""
+    import importlib.metadata
+
+    sacrebleu = importlib.metadata.version("sacrebleu")
+    assert any(r.replace(" ", "") == "tabulate>=0.8.9" for r in importlib.metadata.requires("sacrebleu"))
+    shadowing = tmp_path / "shadowing"
+    shutil.copytree(wheelhouse, shadowing)
+    pins = (shadowing / "requirements.txt").read_text().split() + [fake_wheel(shadowing, "tabulate", "0.0.1")]
+    (shadowing / "requirements.txt").write_text("\n".join(sorted(pins, key=str.lower)) + "\n")
+    venv = tmp_path / "venv-gpu"
+    proc = run_test_gpu("--wheelhouse", shadowing, "--install-only", python=sys.executable, venv=venv)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = proc.stderr
+    assert "the wheelhouse's packages break packages of the node" in said, said[-3000:]
+    assert f"sacrebleu {sacrebleu} has requirement tabulate>=0.8.9, but you have tabulate 0.0.1." in said, said[-3000:]
+    fix = said.split("--constraint FILE")[1]
+    assert [line.strip() for line in fix.splitlines()[1:] if line.strip()][:1] == ["tabulate>=0.8.9"], said[-3000:]
+    assert "the set-up did not finish" in said and not venv.exists()
+    assert "installed from the wheelhouse into" not in proc.stdout

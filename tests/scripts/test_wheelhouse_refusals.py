@@ -80,3 +80,12 @@ def test_an_index_out_of_reach_is_said_to_be_that(tmp_path):
                PIP_RETRIES="0", PIP_TIMEOUT="5")
     assert proc.returncode == 1 and not folder.exists(), proc.stderr[-2000:]
     assert "could not ask the index about fairseq-fixed==" in proc.stderr and "Could not fetch URL" in proc.stderr
+
+
+def test_a_constraint_file_that_is_not_there_is_refused_before_any_work(tmp_path):
+    folder = tmp_path / "wheels"
+    missing = tmp_path / "node-constraints.txt"
+    proc = run(folder, "--python-version", HERE, "--constraint", missing)
+    assert proc.returncode == 2 and not folder.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout == ""  # before the index is asked anything
+    assert proc.stderr.strip() == f"wheelhouse.sh: --constraint needs a file of pip constraints, got '{missing}'"
