@@ -214,10 +214,10 @@ def test_a_folder_the_script_did_not_make_is_never_replaced(wheelhouse, tmp_path
     assert sorted(os.listdir(mine)) == ["notes.txt"] and (mine / "notes.txt").read_text() == "a user's file"
 
 
-def fake_wheel(folder, name, version, code=""):
-    """A pure-Python wheel of ``name`` at ``version``: one module and its metadata, as pip reads one."""
+def fake_wheel(folder, name, version):
+    """A pure-Python wheel of ``name`` at ``version``: an empty module and its metadata, as pip reads one."""
     info = f"{name}-{version}.dist-info"
-    files = {f"{name}.py": code,
+    files = {f"{name}.py": "",
              f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     record = []
@@ -236,7 +236,7 @@ def test_a_wheelhouse_that_breaks_a_node_package_is_refused_naming_the_constrain
     a package shadows the node's in the venv and breaks a node package that needs the node's (here
     sacrebleu, which needs tabulate>=0.8.9, against a wheelhouse's tabulate 0.0.1). The set-up stops,
     names the broken requirement and the constraint that makes a wheelhouse that keeps it, and
-    leaves no venv behind; conflicts the node had already are not the wheelhouse's."""
+    leaves no venv behind."""
     import importlib.metadata
 
     sacrebleu = importlib.metadata.version("sacrebleu")
