@@ -67,21 +67,25 @@ def repack(name, folder):
     python = ".".join(dict.fromkeys(t.split("-")[0] for t in tags))
     abi, platform = tags[0].split("-")[1:]
     info = next(str(f).split("/")[0] for f in dist.files if str(f).split("/")[0].endswith(".dist-info"))
-    path = os.path.join(folder, f"{info[:-len('.dist-info')]}-{python}-{abi}-{platform}.whl")
+    skipped = (f"{info}/RECORD", f"{info}/INSTALLER", f"{info}/REQUESTED", f"{info}/direct_url.json")
+    write_wheel(os.path.join(folder, f"{info[:-len('.dist-info')]}-{python}-{abi}-{platform}.whl"), info,
+                {str(f): f.locate().read_bytes() for f in dist.files
+                 if not (str(f).startswith("..") or "__pycache__" in str(f) or str(f).endswith(".pyc")
+                         or str(f) in skipped)})
+    return f"{dist.metadata['Name']}=={dist.version}"
+
+
+def write_wheel(path, info, files):
+    """The wheel ``path`` of ``files`` ({its name in the wheel: bytes}) and a RECORD of them, in
+    the ``info`` folder (``NAME-VERSION.dist-info``), as pip checks one."""
     record = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as whl:
-        for f in dist.files:
-            rel = str(f)
-            if (rel.startswith("..") or "__pycache__" in rel or rel.endswith(".pyc")
-                    or rel in (f"{info}/RECORD", f"{info}/INSTALLER", f"{info}/REQUESTED", f"{info}/direct_url.json")):
-                continue
-            data = f.locate().read_bytes()
+        for rel, data in files.items():
             whl.writestr(rel, data)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             record.append(f"{rel},sha256={digest},{len(data)}")
         record.append(f"{info}/RECORD,,")
         whl.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
-    return f"{dist.metadata['Name']}=={dist.version}"
 
 
 @pytest.fixture(scope="module")
@@ -217,16 +221,10 @@ def test_a_folder_the_script_did_not_make_is_never_replaced(wheelhouse, tmp_path
 def fake_wheel(folder, name, version):
     """A pure-Python wheel of ``name`` at ``version``: an empty module and its metadata, as pip reads one."""
     info = f"{name}-{version}.dist-info"
-    files = {f"{name}.py": "",
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = []
-    with zipfile.ZipFile(os.path.join(folder, f"{name}-{version}-py3-none-any.whl"), "w") as whl:
-        for rel, text in files.items():
-            whl.writestr(rel, text)
-            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-            record.append(f"{rel},sha256={digest},{len(text.encode())}")
-        whl.writestr(f"{info}/RECORD", "\n".join(record + [f"{info}/RECORD,,"]) + "\n")
+    write_wheel(os.path.join(folder, f"{name}-{version}-py3-none-any.whl"), info, {
+        f"{name}.py": b"",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"})
     return f"{name}=={version}"
 
 
