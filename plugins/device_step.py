@@ -14,6 +14,7 @@ formula is :mod:`plugins.perturbation`'s.  Torch only.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -23,7 +24,7 @@ from . import distributed as D
 from . import ondevice, scaling
 from . import perturbation as P
 from .inflight import Kind, StepInFlight, StepLists, Store
-from .reductions import Sums, long_dot, long_norm
+from .reductions import LOW_PRECISION, Sums, long_dot, long_norm
 
 __all__ = ["prepare", "perturb", "descend", "forget_slopes", "flat_buffer", "rule", "diagnose", "verdict_"]
 
@@ -211,7 +212,8 @@ def rule(step: StepInFlight) -> Tuple[torch.Tensor, Optional[torch.Tensor], Opti
                     stability_with = lists.flat_previous_ascent.flats
                 summed = v.counting(candidate)  # (a tensor replicated on a mesh dimension: one rank's copy)
                 slope_norm, out["inner"] = _global_sums(
-                    [summed], summed, None if stability_with is None else v.counting(stability_with), layout)
+                    [summed], summed, None if stability_with is None else v.counting(stability_with), layout,
+                    v.flats)
             else:
                 slope_norm = _norm(candidate)
                 if theta is None and step.two_pass and scalar_stability:  # before the where below takes v_{t-1}
@@ -297,7 +299,8 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: Li
     torch._foreach_mul_(into, scaled)                   # T (T v_t)
     summed = v.counting(into)
     scaled_norm, direction_norm, inner = _global_sums([v.counting(scaled), summed], summed,
-                                                      None if kept is None else v.counting(kept), lists.layout)
+                                                      None if kept is None else v.counting(kept), lists.layout,
+                                                      v.flats)
     unit = torch.where(finite, P.ascent_scale(1.0, scaled_norm), 0.0)  # a non-finite g_t moves nothing
     for t in into:
         t.mul_(unit)                                    # T^2 v_t / ||T v_t||
@@ -305,12 +308,15 @@ def _adaptive_direction(eta: float, lists: StepLists, v: ondevice.Flat, into: Li
 
 
 def _global_sums(norms_of: Sequence[Sequence[torch.Tensor]], x: Sequence[torch.Tensor],
-                 y: Optional[Sequence[torch.Tensor]], layout):
+                 y: Optional[Sequence[torch.Tensor]], layout, flats: Sequence[torch.Tensor]):
     """The norms of each of ``norms_of`` (flat tensors, one per dtype) and ``<x, y>`` (None
     without ``y``), over every rank's part where the layout is collective: this rank's squares
-    and inner product, summed in float64 by one ``all_reduce`` on the device."""
+    and inner product, summed in float64 by one ``all_reduce`` on the device.  Returned in the
+    dtype :func:`_norm` gives all of ``flats`` (every flat buffer, counted here or not), so that
+    a rank that sums fewer dtypes (or none) scales its ascent in the same precision as the others."""
+    dtype = _sum_dtype(flats)
     if not x:  # a rank that sums none of its tensors (each is another rank's too): zeros
-        zero = torch.zeros((), device=layout.device)
+        zero = torch.zeros((), dtype=dtype, device=layout.device)
         norms, dot = [zero] * len(norms_of), None if y is None else zero
     else:
         norms, dot = [_norm(parts) for parts in norms_of], None if y is None else _dot(x, y)
@@ -318,8 +324,14 @@ def _global_sums(norms_of: Sequence[Sequence[torch.Tensor]], x: Sequence[torch.T
         return (*norms, dot)
     terms = [n.double().square() for n in norms] + ([dot.double()] if dot is not None else [])
     summed = layout.all_reduce(torch.stack(terms))
-    dtype = norms[0].dtype
     return (*(summed[i].sqrt().to(dtype) for i in range(len(norms))), summed[-1].to(dtype) if dot is not None else None)
+
+
+def _sum_dtype(flats: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype of :func:`_norm` and :func:`_dot` over all of ``flats``: their widest, fp16/bf16
+    summed in float32 (:func:`plugins.reductions.long_norm`)."""
+    dtypes = [torch.float32 if t.dtype in LOW_PRECISION else t.dtype for t in flats]
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def diagnose(step: StepInFlight, slope_norm: torch.Tensor, inner, ascent, last: Optional[torch.Tensor], *,

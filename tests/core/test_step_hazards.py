@@ -8,7 +8,8 @@ by a test that fails without its fix (docs/design.md, "The step"):
 * a read-only finiteness check of ``h_t``;
 * a skipped step leaves a fused base's state as it was, its first step included;
 * the verdicts' pinned host slots reused;
-* a model split over two GPUs in one process (needs two CUDA devices).
+* a model split over two GPUs in one process (needs two CUDA devices);
+* ranks that sum different dtypes of a sharded model take its sums in one dtype.
 """
 
 import copy
@@ -17,7 +18,7 @@ import math
 import pytest
 import torch
 
-from plugins import SAM, VASSO, ondevice, reductions
+from plugins import SAM, VASSO, device_step, ondevice, reductions
 from core_helpers import Dispatched, build, closure_for, make_batches, make_model
 from gpu_numerics import WITHIN_TOLERANCE, comparing
 
@@ -264,3 +265,42 @@ def test_the_finiteness_check_finds_a_non_finite_element(torch_has_the_check, mo
     found_inf = torch.ones(())  # a verdict already given stays
     ondevice.check_finite_([torch.ones(3)], found_inf, one)
     assert found_inf.item() == 1.0
+
+
+class _TwoRanks:
+    """A collective layout of two ranks: ``all_reduce`` adds this rank's terms to those the
+    other rank sent (``other``), and keeps its own in ``sent``."""
+
+    collective, device = True, torch.device("cpu")
+
+    def __init__(self, other=None):
+        self.other, self.sent = other, None
+
+    def all_reduce(self, terms):
+        self.sent = terms.clone()
+        return terms if self.other is None else terms + self.other
+
+
+@pytest.mark.parametrize("rank_b_counts", ["the float32 flat", "nothing"])
+def test_ranks_that_sum_other_dtypes_agree_on_the_sums_dtype(rank_b_counts):
+    """A model of float64 and float32 tensors sharded over mesh dimensions of its own each: a
+    rank may sum only the float32 ones, or none.  Its ||v_t|| and <v_t, v_{t-1}> come back
+    in float64 as on the rank that sums both, the same values: in float32 its ascent would
+    be rounded otherwise, and the replicas would drift apart."""
+    g = torch.Generator().manual_seed(0)
+    f64, f32 = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(5, generator=g)
+    old64, old32 = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(5, generator=g)
+    flats = [f64, f32]  # every rank holds both flat buffers
+    a = _TwoRanks()
+    device_step._global_sums([[f64, f32]], [f64, f32], [old64, old32], a, flats)  # what rank A sends
+    if rank_b_counts == "nothing":
+        b_parts, b_old = [], []
+    else:  # rank B's copy of f32 (another shard of it, in a real model)
+        b_parts, b_old = [f32 * 2], [old32 * 2]
+    b = _TwoRanks(other=a.sent)
+    on_b = device_step._global_sums([b_parts], b_parts, b_old, b, flats)
+    on_a = device_step._global_sums([[f64, f32]], [f64, f32], [old64, old32], _TwoRanks(other=b.sent), flats)
+    assert [t.dtype for t in on_b] == [t.dtype for t in on_a] == [torch.float64, torch.float64]
+    assert all(torch.equal(x, y) for x, y in zip(on_a, on_b))
+    squares = f64.square().sum() + f32.double().square().sum() + sum(t.double().square().sum() for t in b_parts)
+    assert on_b[0].item() == pytest.approx(squares.sqrt().item(), rel=1e-6)  # (f32 summed in float32)
