@@ -91,7 +91,7 @@ else
         cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
         printf '[build_ext]\nparallel = %d\n' "$((cores < 8 ? cores + 1 : 8))" > "$build_dir/build_ext.cfg"
         printf '#!/bin/sh\nexit 1\n' > "$build_dir/ninja" && chmod +x "$build_dir/ninja"
-        stage "building fairseq-fixed 0.12.3.1 against this torch (4 minutes on 2 idle cores, 6 on busy ones)"
+        stage "building fairseq-fixed 0.12.3.1 against this torch (3 minutes on 2 idle cores, 6 on busy ones)"
         PATH="$build_dir:$PATH" DIST_EXTRA_CONFIG="$build_dir/build_ext.cfg" \
             with_progress "building fairseq-fixed" pipq --no-build-isolation --no-cache-dir fairseq-fixed==0.12.3.1
     fi
