@@ -48,12 +48,14 @@ def perturb(step: StepInFlight, last: Optional[torch.Tensor], own: Store, scratc
         return last, sums
     inner = previous_inner(step, last is not None, sums, own)  # before d_t is written
     rule(step, sums, own, scratch)  # eqs. (5a)-(5b): d_t, and x_t + eps_t
-    inner = sums.get("slope_dot_last", inner)  # (fp16/bf16 VASSO: <d_t, d_{t-1}>, maybe read with ||d_t||)
+    # fp16/bf16 VASSO: <d_t, d_{t-1}> itself (maybe read with ||d_t||), not <g_t, d_{t-1}>
+    of_slopes = "slope_dot_last" in sums
+    inner = sums["slope_dot_last"] if of_slopes else inner
     if not step.two_pass:  # the coin skipped: the base will step with g_t
         step.kind = Kind.FIRST_GRADIENT
         return last, sums
     step.kind = Kind.PERTURBED
-    last = diagnose(step, sums, inner, last, own)
+    last = diagnose(step, sums, inner, last, own, of_slopes=of_slopes)
     step.grads = None  # g_t lives on in the buffers: not held through the second pass
     return last, sums
 
@@ -268,12 +270,13 @@ def _ascend(step: StepInFlight, slopes: List[torch.Tensor], sums: Dict[str, floa
 
 
 def diagnose(step: StepInFlight, sums: Dict[str, float], inner_previous, last: Optional[torch.Tensor],
-             own: Store) -> Optional[torch.Tensor]:
+             own: Store, *, of_slopes: bool) -> Optional[torch.Tensor]:
     """The step's diagnostics (:mod:`plugins.diagnostics`): ``||eps_t||``, the estimated
     sharpness ``rho ||v_t||`` (``rho ||T v_t||``) and the stability ``||eps_t - eps_{t-1}||``
     from ``last``, the previous ascent.  Where the sums cross ranks, their own sums (adaptive
     ``||eps_t||``, the buffered stability's inner product) ride along with descend()'s
-    reduction.  Returns the ascent to keep as the next step's ``last``."""
+    reduction.  ``of_slopes``: ``inner_previous`` is ``<v_t, v_{t-1}>`` already, not ``<g_t,
+    v_{t-1}>``.  Returns the ascent to keep as the next step's ``last``."""
     knobs, rho, diag = step.knobs, step.rho, step.diagnostics
     deferred = Deferred() if step.lists.layout.collective else None
     ascent_norm, sharpness = diagnostics.of_ascent(step, rho, knobs.adaptive, sums.get("scaled_slope"), deferred)
@@ -281,8 +284,7 @@ def diagnose(step: StepInFlight, sums: Dict[str, float], inner_previous, last: O
     applied = None
     if knobs.track_stability:
         kept = step.lists.buffer(own, "previous_ascent", step.grads, zeros=True) if knobs.buffered_stability else None
-        theta = None if "slope_dot_last" in sums else knobs.theta  # (None: the inner is <v_t, v_{t-1}> already)
-        diag["stability"] = diagnostics.stability(step, last, ascent_norm, theta=theta,
+        diag["stability"] = diagnostics.stability(step, last, ascent_norm, theta=None if of_slopes else knobs.theta,
                                                   inner_previous=inner_previous, kept=kept, deferred=deferred)
         applied = _record_ascent(step, ascent_norm)
     if deferred:
