@@ -29,7 +29,7 @@ from omegaconf import II, OmegaConf
 
 from plugins import SAM, VASSO, PartitionGroup
 from plugins.optimizer import SharpnessAware
-from plugins.scaling import verdict_given
+from plugins.scaling import step_wrapper
 from plugins.validation import Range, check
 
 __all__ = [
@@ -265,13 +265,7 @@ class FairseqSharpnessAware(FairseqOptimizer):
             # through OSS (its broadcast follows the step): GradScaler.step(OSS) takes the verdict of
             # the unscale_(OSS) in fairseq's clip_grad_norm and, without an overflow, calls OSS.step(),
             # whose core.step() finishes the step perturb(scaler=...) began with h_t unscaled once
-            core = self.core
-            try:
-                with verdict_given(core, torch.zeros((), device=_device(core))):
-                    self.last_step_taken = bool(scaler.step(self._optimizer))
-            finally:
-                if core.in_flight:  # an overflow: the scaler skipped OSS.step(); x_t back, the step dropped
-                    core.abandon()
+            self.last_step_taken = bool(step_wrapper(scaler, self._optimizer, self.core))
         else:
             self.last_step_taken = bool(scaler.step(self.core))
         self.last_diagnostics = self.core.diagnostics
@@ -366,11 +360,6 @@ def _flat_shards(cfg):
     if torch.distributed.get_world_size(group) == 1:
         return None
     return PartitionGroup(group, model_gathers=True)
-
-
-def _device(optimizer):
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return params[0].device if params else torch.device("cpu")
 
 
 def _partition_class(core_class, settings):

@@ -18,11 +18,13 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["loss_scale", "refuse_unscaled", "unscale", "handed_verdict", "drop_verdict", "verdict_given", "SCALED_STEP"]
+__all__ = ["loss_scale", "refuse_unscaled", "unscale", "handed_verdict", "drop_verdict", "verdict_given",
+           "step_wrapper", "SCALED_STEP"]
 
 #: The refusal of a loss-scaled step finished without the scaler.
 SCALED_STEP = ("this step's gradients are scaled (perturb(scaler=...)): finish it with scaler.step(opt), "
-               "then scaler.update()")
+               "then scaler.update(); under a wrapper whose step() calls this optimizer's "
+               "(ZeroRedundancyOptimizer, OSS), with plugins.scaling.step_wrapper(scaler, wrapper, opt)")
 
 
 def loss_scale(scaler, grads: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -96,6 +98,24 @@ def verdict_given(opt, found_inf: torch.Tensor, grad_scale: Optional[torch.Tenso
         yield
     finally:
         drop_verdict(opt)
+
+
+def step_wrapper(scaler, wrapper, core):
+    """``scaler.step(wrapper)`` for a wrapper whose ``step()`` calls ``core``'s, the sharpness-
+    aware optimizer whose ``perturb(scaler=...)`` began the step (``ZeroRedundancyOptimizer``,
+    fairscale's ``OSS``): the scaler unscales the wrapper's gradients (``h_t``) and steps it
+    only where they are finite, so ``core`` is handed that verdict; where the scaler skipped
+    (an overflow in ``h_t``, or in ``g_t`` on the host path), ``core``'s step in flight is
+    dropped, the parameters back at ``x_t``.  Returns what ``scaler.step`` returns; the caller
+    calls ``scaler.update()`` after (``docs/mixed_precision.md``)."""
+    params = [p for group in core.param_groups for p in group["params"]]
+    finite = torch.zeros((), device=params[0].device if params else torch.device("cpu"))
+    try:
+        with verdict_given(core, finite):
+            return scaler.step(wrapper)
+    finally:
+        if core.in_flight:  # the scaler skipped wrapper.step(): x_t back, the step dropped
+            core.abandon()
 
 
 _ABSENT = object()

@@ -776,6 +776,67 @@ def test_a_wrapper_hands_the_core_the_scalers_verdict(overflow):
     assert opt.nonfinite_steps == int(overflow)
 
 
+def _scaled_run(model, opt, finish, overflow, steps=4):
+    """``steps`` scaled two-pass steps of ``opt`` (the explicit API), each finished by
+    ``finish(scaler)``, an overflow in the pass ``overflow`` names ("g_t", "h_t") of step 2:
+    the parameters after each step, and whether each step moved them."""
+    scaler = make_scaler("cpu", init_scale=2.0 ** 8)
+    states, taken = [], []
+    for t, (x, y) in enumerate(make_batches(steps)):
+        start, rng = flat(model.parameters()), rng_state()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss * (float("inf") if (t, overflow) == (2, "g_t") else 1.0)).backward()
+        if opt.perturb(scaler=scaler):
+            opt.zero_grad()
+            with opt.second_pass(model, rng):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                scaler.scale(loss * (float("inf") if (t, overflow) == (2, "h_t") else 1.0)).backward()
+        finish(scaler)
+        scaler.update()
+        assert not opt.in_flight
+        states.append(flat(model.parameters()))
+        taken.append(not torch.equal(states[-1], start))
+    return states, taken
+
+
+@pytest.mark.parametrize("overflow", [None, "h_t", "g_t"])
+def test_step_wrapper_finishes_a_scaled_step_through_zero_redundancy_optimizer(overflow):
+    """``plugins.scaling.step_wrapper``: a GradScaler over torch's ZeroRedundancyOptimizer (one
+    rank here), whose step() calls the core's.  ``scaler.step(zero)`` alone is refused (the
+    core gets no verdict), naming step_wrapper; through it the run is the core's own under
+    ``scaler.step(opt)``, bit for bit, and an overflow in either pass drops the step with
+    ``x_t`` back exactly."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from plugins.scaling import step_wrapper
+    if dist.is_initialized():
+        pytest.skip("this process has a process group already")
+    kw = dict(base_optimizer=torch.optim.SGD, rho=0.2, theta=0.4, lr=0.1, exact_restore=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = make_model()
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, **kw)
+        with pytest.raises(RuntimeError, match=r"plugins\.scaling\.step_wrapper\(scaler, wrapper, opt\)"):
+            _scaled_run(model, zero.optim, lambda scaler: scaler.step(zero), None, steps=1)
+        zero.optim.abandon()
+
+        torch.manual_seed(0)
+        model = make_model()
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=VASSO, **kw)
+        wrapped = _scaled_run(model, zero.optim, lambda scaler: step_wrapper(scaler, zero, zero.optim), overflow)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = make_model()
+    opt = VASSO(model.parameters(), **kw)
+    own = _scaled_run(model, opt, lambda scaler: scaler.step(opt), overflow)
+    assert wrapped[1] == own[1] == [True, True, overflow is None, True]
+    assert all(torch.equal(a, b) for a, b in zip(wrapped[0], own[0]))
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["d_t ahead", "d_t in place"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_vassos_stability_on_the_host_path_is_the_device_paths(dtype, fused, monkeypatch):
