@@ -5,10 +5,10 @@ The step reads the scaler's scale once (:func:`loss_scale`, no host sync), unsca
 overflow decision of the second pass to the scaler: ``scaler.step(opt)`` hands the
 optimizer its verdict and the scale ``.grad`` still carries as the attributes
 ``found_inf`` and ``grad_scale`` (torch's protocol for optimizers that unscale
-themselves, ``_step_supports_amp_scaling``), read here by :func:`handed_verdict`.  A
-wrapper that finishes the step through another optimizer's ``step()`` (fairseq's
-``--zero-sharding os`` under ``--amp``: ``scaler.step(OSS)``) hands the verdict with
-:func:`verdict_given` (``docs/mixed_precision.md``).  Torch only.
+themselves, ``_step_supports_amp_scaling``), read here by :func:`handed_verdict`.  Under a
+wrapper whose ``step()`` calls the core's (``ZeroRedundancyOptimizer``, OSS; fairseq's
+``--zero-sharding os`` under ``--amp``), :func:`step_wrapper` finishes the step through
+``scaler.step(wrapper)`` (``docs/mixed_precision.md``).  Torch only.
 """
 
 from __future__ import annotations
