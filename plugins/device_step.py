@@ -14,7 +14,6 @@ formula is :mod:`plugins.perturbation`'s.  Torch only.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -24,7 +23,7 @@ from . import distributed as D
 from . import ondevice, scaling
 from . import perturbation as P
 from .inflight import Kind, StepInFlight, StepLists, Store
-from .reductions import LOW_PRECISION, Sums, long_dot, long_norm
+from .reductions import Sums, long_dot, long_norm
 
 __all__ = ["prepare", "perturb", "descend", "forget_slopes", "flat_buffer", "rule", "diagnose", "verdict_"]
 
@@ -314,7 +313,7 @@ def _global_sums(norms_of: Sequence[Sequence[torch.Tensor]], x: Sequence[torch.T
     and inner product, summed in float64 by one ``all_reduce`` on the device.  Returned in the
     dtype :func:`_norm` gives all of ``flats`` (every flat buffer, counted here or not), so that
     a rank that sums fewer dtypes (or none) scales its ascent in the same precision as the others."""
-    dtype = _sum_dtype(flats)
+    dtype = P.scalar_dtype(flats)  # what _norm and _dot give all of them: the widest, fp16/bf16's float32
     if not x:  # a rank that sums none of its tensors (each is another rank's too): zeros
         zero = torch.zeros((), dtype=dtype, device=layout.device)
         norms, dot = [zero] * len(norms_of), None if y is None else zero
@@ -325,13 +324,6 @@ def _global_sums(norms_of: Sequence[Sequence[torch.Tensor]], x: Sequence[torch.T
     terms = [n.double().square() for n in norms] + ([dot.double()] if dot is not None else [])
     summed = layout.all_reduce(torch.stack(terms))
     return (*(summed[i].sqrt().to(dtype) for i in range(len(norms))), summed[-1].to(dtype) if dot is not None else None)
-
-
-def _sum_dtype(flats: Sequence[torch.Tensor]) -> torch.dtype:
-    """The dtype of :func:`_norm` and :func:`_dot` over all of ``flats``: their widest, fp16/bf16
-    summed in float32 (:func:`plugins.reductions.long_norm`)."""
-    dtypes = [torch.float32 if t.dtype in LOW_PRECISION else t.dtype for t in flats]
-    return functools.reduce(torch.promote_types, dtypes)
 
 
 def diagnose(step: StepInFlight, slope_norm: torch.Tensor, inner, ascent, last: Optional[torch.Tensor], *,
