@@ -105,17 +105,24 @@ def step_wrapper(scaler, wrapper, core):
     aware optimizer whose ``perturb(scaler=...)`` began the step (``ZeroRedundancyOptimizer``,
     fairscale's ``OSS``): the scaler unscales the wrapper's gradients (``h_t``) and steps it
     only where they are finite, so ``core`` is handed that verdict; where the scaler skipped
-    (an overflow in ``h_t``, or in ``g_t`` on the host path), ``core``'s step in flight is
-    dropped, the parameters back at ``x_t``.  Returns what ``scaler.step`` returns; the caller
-    calls ``scaler.update()`` after (``docs/mixed_precision.md``)."""
+    (an overflow in ``h_t``), ``core`` is handed the overflow and steps as under
+    ``scaler.step(core)``: the parameters back at ``x_t``, no base step, the skip counted in
+    ``nonfinite_steps``.  Every rank must reach the same verdict (as DDP's averaged gradients
+    give), as the wrapper's own step requires.  Returns what ``scaler.step`` returns; the caller calls ``scaler.update()`` after
+    (``docs/mixed_precision.md``)."""
     params = [p for group in core.param_groups for p in group["params"]]
     finite = torch.zeros((), device=params[0].device if params else torch.device("cpu"))
     try:
         with verdict_given(core, finite):
-            return scaler.step(wrapper)
-    finally:
-        if core.in_flight:  # the scaler skipped wrapper.step(): x_t back, the step dropped
+            taken = scaler.step(wrapper)
+    except BaseException:
+        if core.in_flight:  # x_t back, the step dropped
             core.abandon()
+        raise
+    if core.in_flight:  # the scaler skipped wrapper.step(): the core takes the overflow as its verdict
+        with verdict_given(core, torch.ones_like(finite)):
+            core.step()
+    return taken
 
 
 _ABSENT = object()

@@ -805,8 +805,8 @@ def test_step_wrapper_finishes_a_scaled_step_through_zero_redundancy_optimizer(o
     """``plugins.scaling.step_wrapper``: a GradScaler over torch's ZeroRedundancyOptimizer (one
     rank here), whose step() calls the core's.  ``scaler.step(zero)`` alone is refused (the
     core gets no verdict), naming step_wrapper; through it the run is the core's own under
-    ``scaler.step(opt)``, bit for bit, and an overflow in either pass drops the step with
-    ``x_t`` back exactly."""
+    ``scaler.step(opt)``, bit for bit, and an overflow in either pass skips the step with
+    ``x_t`` back exactly, counted in ``nonfinite_steps``."""
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -835,6 +835,8 @@ def test_step_wrapper_finishes_a_scaled_step_through_zero_redundancy_optimizer(o
     own = _scaled_run(model, opt, lambda scaler: scaler.step(opt), overflow)
     assert wrapped[1] == own[1] == [True, True, overflow is None, True]
     assert all(torch.equal(a, b) for a, b in zip(wrapped[0], own[0]))
+    # the skip is counted as scaler.step(opt) counts it, in either pass
+    assert zero.optim.nonfinite_steps == opt.nonfinite_steps == int(overflow is not None)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["d_t ahead", "d_t in place"])

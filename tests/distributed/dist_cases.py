@@ -619,6 +619,54 @@ def fp16_scaler(faults):
     return out
 
 
+def zero_scaler(faults):
+    """torch's ZeroRedundancyOptimizer with ``partition_group``, over DDP, under a stock
+    torch.amp.GradScaler("cpu"), each step finished by ``plugins.scaling.step_wrapper``, an
+    overflow injected on rank 0 only at (step, pass) of ``faults`` (DDP's average carries it
+    to both ranks), against one process finished by ``scaler.step(opt)`` with the same
+    overflow: {kind: (relative error of the weights, steps taken, scales, a step left in
+    flight)}, and the reference's under ("reference", kind)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from plugins.scaling import step_wrapper
+    data = batches(dist.get_world_size(), seed=4) * 2
+    out = {}
+
+    def train(model, wrapper, opt, finish, data, fault_here):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+        taken, scales, in_flight = [], [], False
+        for t, (x, y) in enumerate(data):
+            def backward(pass_):
+                loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss * float("inf") if fault_here and (t, pass_) in faults else loss).backward()
+            rng, before = rng_state(), opt.nonfinite_steps
+            wrapper.zero_grad()  # (ZeRO's: every parameter's gradient, not only this rank's shard)
+            backward(1)
+            if opt.perturb(scaler=scaler):
+                wrapper.zero_grad()
+                with opt.second_pass(model, rng):
+                    backward(2)
+            finish(scaler)
+            scaler.update()
+            in_flight = in_flight or opt.in_flight
+            taken.append(opt.nonfinite_steps == before)
+            scales.append(scaler.get_scale())
+        return taken, scales, in_flight
+
+    for kind in ("SAM", "VASSO", "GSAM"):
+        ref_model = make_model()
+        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+        ref = train(ref_model, ref_opt, ref_opt, lambda scaler: scaler.step(ref_opt), data, True)
+        model = DDP(make_model())
+        zero = _zero(kind, model.parameters())
+        got = train(model, zero, zero.optim, lambda scaler: step_wrapper(scaler, zero, zero.optim), my_slice(data),
+                    dist.get_rank() == 0)
+        out[kind] = (compare([w.detach() for w in model.parameters()], [w.detach() for w in ref_model.parameters()]),
+                     ) + got
+        out[("reference", kind)] = ref
+    return out
+
+
 # ------------------------------------------------------------------ wrong use
 
 
@@ -836,6 +884,7 @@ def two_rank_checks():
     """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
     wrong use."""
     return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
+            "ZeRO scaled": zero_scaler([(2, 1), (5, 2)]),
             "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change(),
             "exchange fallbacks": exchange_fallbacks(), "late owner": late_owner(),
             "one rank non-finite": one_rank_nonfinite(), "ZeRO over a fused base": zero_over_a_fused_base()}
