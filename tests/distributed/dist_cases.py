@@ -625,7 +625,7 @@ def zero_scaler(faults):
     overflow injected on rank 0 only at (step, pass) of ``faults`` (DDP's average carries it
     to both ranks), against one process finished by ``scaler.step(opt)`` with the same
     overflow: {kind: (relative error of the weights, steps taken, scales, a step left in
-    flight)}, and the reference's under ("reference", kind)."""
+    flight, steps counted as skipped)}, and the reference's under ("reference", kind)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from plugins.scaling import step_wrapper
@@ -651,7 +651,7 @@ def zero_scaler(faults):
             in_flight = in_flight or opt.in_flight
             taken.append(opt.nonfinite_steps == before)
             scales.append(scaler.get_scale())
-        return taken, scales, in_flight
+        return taken, scales, in_flight, opt.nonfinite_steps
 
     for kind in ("SAM", "VASSO", "GSAM"):
         ref_model = make_model()
