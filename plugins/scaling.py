@@ -108,8 +108,8 @@ def step_wrapper(scaler, wrapper, core):
     (an overflow in ``h_t``), ``core`` is handed the overflow and steps as under
     ``scaler.step(core)``: the parameters back at ``x_t``, no base step, the skip counted in
     ``nonfinite_steps``.  Every rank must reach the same verdict (as DDP's averaged gradients
-    give), as the wrapper's own step requires.  Returns what ``scaler.step`` returns; the caller calls ``scaler.update()`` after
-    (``docs/mixed_precision.md``)."""
+    give), as the wrapper's own step requires.  Returns what ``scaler.step`` returns; the
+    caller calls ``scaler.update()`` after (``docs/mixed_precision.md``)."""
     params = [p for group in core.param_groups for p in group["params"]]
     finite = torch.zeros((), device=params[0].device if params else torch.device("cpu"))
     try:

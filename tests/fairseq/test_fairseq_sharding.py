@@ -310,8 +310,8 @@ def test_zero_sharding_in_the_loss_scaled_modes_gives_the_legacy_ddp_run(runs, m
     a, b = ref.rank(0)["log"], other.rank(0)["log"]
     assert [(e["num_updates"], e["loss_scale"]) for e in a] == [(e["num_updates"], e["loss_scale"]) for e in b]
     assert len(a) > 3 and a[-1]["loss_scale"] < 65536  # overflows happened and were skipped alike
-    if mode == "amp":  # and were counted alike: through OSS, plugins.scaling.step_wrapper hands the
-        # core the scaler's verdict (--fp16's optimizers skip an overflow before the core's step)
+    if mode == "amp":  # and were counted alike in the core's diagnostics (--fp16's optimizers skip
+        # an overflow before the core's step, which then logs none)
         assert [float(e["nonfinite"]) for e in a] == [float(e["nonfinite"]) for e in b]
         assert sum(float(e["nonfinite"]) for e in b) > 0
     _same_run(ref, other, rel=1e-5 if mode == "fp16" else 1e-3)
