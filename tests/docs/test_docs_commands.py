@@ -321,6 +321,14 @@ COMMANDS = classified(
         check=".venv/bin/python -m pytest -q --collect-only tests/distributed/test_flat_shards.py -k 2ranks",
         expect=("4/", "test_torch_fsdp1_flat_shards_give_the_one_process_step[2ranks]"))),
 
+    # ---- docs/reports/gpu.md
+    (".venv/bin/python scripts/benchmark/benchmark.py --device cuda --quick --adamw fused --steps-per-round 3 "
+     "--seconds 45 --reference-vasso ~/src/VaSSO --reference-sam ~/src/sam", check_only(
+        "needs a GPU and checkouts of the two anchors (tests/bench runs the device benchmark on the CPU): "
+        "these flags parse", expect=("--steps-per-round", "--reference-sam"))),
+    (".venv/bin/python scripts/benchmark/benchmark.py --profile --device cuda --models resnet50", check_only(
+        "needs a GPU (tests/bench profiles a step on the CPU): these flags parse", expect=("--profile", "--models"))),
+
     # ---- docs/reports/digits.md
     (".venv/bin/python scripts/digits/experiments.py labelnoise", check_only("about 16 minutes on 2 cores")),
     (".venv/bin/python scripts/digits/experiments.py tradeoff", check_only("about 5 minutes on 2 cores")),
