@@ -621,32 +621,42 @@ def fp16_scaler(faults):
 
 def zero_scaler(faults):
     """torch's ZeroRedundancyOptimizer with ``partition_group``, over DDP, under a stock
-    torch.amp.GradScaler("cpu"), each step finished by ``plugins.scaling.step_wrapper``, an
-    overflow injected on rank 0 only at (step, pass) of ``faults`` (DDP's average carries it
-    to both ranks), against one process finished by ``scaler.step(opt)`` with the same
-    overflow: {kind: (relative error of the weights, steps taken, scales, a step left in
-    flight, steps counted as skipped)}, and the reference's under ("reference", kind)."""
+    torch.amp.GradScaler("cpu"), in both APIs: ``zero.step(closure, model=, scaler=)``, or
+    ``perturb(scaler=)`` finished by ``plugins.scaling.step_wrapper``; an overflow injected
+    on rank 0 only at (step, pass) of ``faults`` (DDP's average carries it to both ranks),
+    against one process under ``scaler.step(opt)`` with the same overflow: {(kind, api):
+    (relative error of the weights, steps taken, scales, a step left in flight, steps
+    counted as skipped)}, and the reference's under ("reference", kind, api)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from plugins.scaling import step_wrapper
     data = batches(dist.get_world_size(), seed=4) * 2
     out = {}
 
-    def train(model, wrapper, opt, finish, data, fault_here):
+    def train(model, wrapper, opt, api, finish, data, fault_here):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
         taken, scales, in_flight = [], [], False
         for t, (x, y) in enumerate(data):
             def backward(pass_):
                 loss = F.cross_entropy(model(x), y)
                 scaler.scale(loss * float("inf") if fault_here and (t, pass_) in faults else loss).backward()
-            rng, before = rng_state(), opt.nonfinite_steps
-            wrapper.zero_grad()  # (ZeRO's: every parameter's gradient, not only this rank's shard)
-            backward(1)
-            if opt.perturb(scaler=scaler):
+                return loss
+            before, passes = opt.nonfinite_steps, []
+            if api == "closure":
+                def closure():
+                    passes.append(1)
+                    wrapper.zero_grad()  # (ZeRO's: every parameter's gradient, not only this rank's shard)
+                    return backward(len(passes))
+                wrapper.step(closure, scaler=scaler, **({} if wrapper is opt else {"model": model}))
+            else:
+                rng = rng_state()
                 wrapper.zero_grad()
-                with opt.second_pass(model, rng):
-                    backward(2)
-            finish(scaler)
+                backward(1)
+                if opt.perturb(scaler=scaler):
+                    wrapper.zero_grad()
+                    with opt.second_pass(model, rng):
+                        backward(2)
+                finish(scaler)
             scaler.update()
             in_flight = in_flight or opt.in_flight
             taken.append(opt.nonfinite_steps == before)
@@ -654,16 +664,17 @@ def zero_scaler(faults):
         return taken, scales, in_flight, opt.nonfinite_steps
 
     for kind in ("SAM", "VASSO", "GSAM"):
-        ref_model = make_model()
-        ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
-        ref = train(ref_model, ref_opt, ref_opt, lambda scaler: scaler.step(ref_opt), data, True)
-        model = DDP(make_model())
-        zero = _zero(kind, model.parameters())
-        got = train(model, zero, zero.optim, lambda scaler: step_wrapper(scaler, zero, zero.optim), my_slice(data),
-                    dist.get_rank() == 0)
-        out[kind] = (compare([w.detach() for w in model.parameters()], [w.detach() for w in ref_model.parameters()]),
-                     ) + got
-        out[("reference", kind)] = ref
+        for api in ("closure", "explicit"):
+            ref_model = make_model()
+            ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
+            ref = train(ref_model, ref_opt, ref_opt, api, lambda scaler: scaler.step(ref_opt), data, True)
+            model = DDP(make_model())
+            zero = _zero(kind, model.parameters())
+            got = train(model, zero, zero.optim, api, lambda scaler: step_wrapper(scaler, zero, zero.optim),
+                        my_slice(data), dist.get_rank() == 0)
+            weights = compare([w.detach() for w in model.parameters()], [w.detach() for w in ref_model.parameters()])
+            out[(kind, api)] = (weights,) + got
+            out[("reference", kind, api)] = ref
     return out
 
 

@@ -200,22 +200,24 @@ def test_fsdp2_with_fp16_autocast_and_a_grad_scaler_skips_an_overflow_on_every_r
     assert ranks[0]["fp16"] == ranks[1]["fp16"]
 
 
-def test_zero_under_a_grad_scaler_finished_by_step_wrapper_skips_an_overflow_on_every_rank(ranks):
-    """ZeroRedundancyOptimizer (partition_group, over DDP) under GradScaler("cpu"), each step
-    finished by plugins.scaling.step_wrapper: an overflow on rank 0 only, in the first pass
-    of step 2 and the second pass of step 5, skips those steps on both ranks, counts each
-    once, backs the scale off and leaves no step in flight, as one process under
-    scaler.step(opt) does."""
+def test_zero_under_a_grad_scaler_skips_an_overflow_on_every_rank(ranks):
+    """ZeroRedundancyOptimizer (partition_group, over DDP) under GradScaler("cpu"), in both
+    APIs (the explicit one finished by plugins.scaling.step_wrapper): an overflow on rank 0
+    only, in the first pass of step 2 and the second pass of step 5, skips those steps on
+    both ranks, counts each once, backs the scale off and leaves no step in flight, as one
+    process under scaler.step(opt) does."""
     for rank in ranks:
         scaled = rank["ZeRO scaled"]
         for kind in ("SAM", "VASSO", "GSAM"):
-            error, taken, scales, in_flight, counted = scaled[kind]
-            ref_taken, ref_scales, ref_in_flight, ref_counted = scaled[("reference", kind)]
-            assert (taken, scales) == (ref_taken, ref_scales), kind
-            assert [t for t, ok in enumerate(taken) if not ok] == [2, 5] and counted == ref_counted == 2, kind
-            assert scales[2] < scales[1] and scales[5] < scales[4], (kind, scales)
-            assert not in_flight and not ref_in_flight, kind
-            assert error <= 1e-5, (kind, error)
+            for api in ("closure", "explicit"):
+                error, taken, scales, in_flight, counted = scaled[(kind, api)]
+                ref_taken, ref_scales, ref_in_flight, ref_counted = scaled[("reference", kind, api)]
+                assert (taken, scales) == (ref_taken, ref_scales), (kind, api)
+                assert [t for t, ok in enumerate(taken) if not ok] == [2, 5], (kind, api)
+                assert counted == ref_counted == 2, (kind, api)
+                assert scales[2] < scales[1] and scales[5] < scales[4], (kind, api, scales)
+                assert not in_flight and not ref_in_flight, (kind, api)
+                assert error <= 1e-5, (kind, api, error)
     assert ranks[0]["ZeRO scaled"] == ranks[1]["ZeRO scaled"]
 
 
