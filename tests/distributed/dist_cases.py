@@ -620,13 +620,14 @@ def fp16_scaler(faults):
 
 
 def zero_scaler(faults):
-    """torch's ZeroRedundancyOptimizer with ``partition_group``, over DDP, under a stock
-    torch.amp.GradScaler("cpu"), in both APIs: ``zero.step(closure, model=, scaler=)``, or
-    ``perturb(scaler=)`` finished by ``plugins.scaling.step_wrapper``; an overflow injected
-    on rank 0 only at (step, pass) of ``faults`` (DDP's average carries it to both ranks),
-    against one process under ``scaler.step(opt)`` with the same overflow: {(kind, api):
-    (relative error of the weights, steps taken, scales, a step left in flight, steps
-    counted as skipped)}, and the reference's under ("reference", kind, api)."""
+    """torch's ZeroRedundancyOptimizer and fairscale's OSS (where installed), each with
+    ``partition_group`` over DDP, under a stock torch.amp.GradScaler("cpu"), in both APIs:
+    ``wrapper.step(closure, model=, scaler=)``, or ``perturb(scaler=)`` finished by
+    ``plugins.scaling.step_wrapper``; an overflow injected on rank 0 only at (step, pass) of
+    ``faults`` (DDP's average carries it to both ranks), against one process under
+    ``scaler.step(opt)`` with the same overflow: {(wrapper, kind, api): (relative error of
+    the weights, steps taken, scales, a step left in flight, steps counted as skipped)},
+    and the reference's under ("reference", kind, api)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from plugins.scaling import step_wrapper
@@ -663,18 +664,28 @@ def zero_scaler(faults):
             scales.append(scaler.get_scale())
         return taken, scales, in_flight, opt.nonfinite_steps
 
+    try:
+        from fairscale.optim import OSS
+    except ImportError:  # (not a dependency of the project): ZeRO's rows alone
+        OSS = None
     for kind in ("SAM", "VASSO", "GSAM"):
+        cls, knobs = VARIANTS[kind]
         for api in ("closure", "explicit"):
             ref_model = make_model()
             ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
-            ref = train(ref_model, ref_opt, ref_opt, api, lambda scaler: scaler.step(ref_opt), data, True)
-            model = DDP(make_model())
-            zero = _zero(kind, model.parameters())
-            got = train(model, zero, zero.optim, api, lambda scaler: step_wrapper(scaler, zero, zero.optim),
-                        my_slice(data), dist.get_rank() == 0)
-            weights = compare([w.detach() for w in model.parameters()], [w.detach() for w in ref_model.parameters()])
-            out[(kind, api)] = (weights,) + got
-            out[("reference", kind, api)] = ref
+            out[("reference", kind, api)] = train(ref_model, ref_opt, ref_opt, api, lambda scaler: scaler.step(ref_opt),
+                                                  data, True)
+            for name in ("ZeRO", "OSS") if OSS is not None else ("ZeRO",):
+                model = DDP(make_model())
+                wrapper = _zero(kind, model.parameters()) if name == "ZeRO" else OSS(
+                    model.parameters(), optim=cls, base_optimizer=torch.optim.SGD,
+                    partition_group=PartitionGroup(dist.group.WORLD), rho=0.2, lr=1e-2, **knobs)
+                got = train(model, wrapper, wrapper.optim, api,
+                            lambda scaler: step_wrapper(scaler, wrapper, wrapper.optim), my_slice(data),
+                            dist.get_rank() == 0)
+                weights = compare([w.detach() for w in model.parameters()],
+                                  [w.detach() for w in ref_model.parameters()])
+                out[(name, kind, api)] = (weights,) + got
     return out
 
 

@@ -200,17 +200,21 @@ def test_fsdp2_with_fp16_autocast_and_a_grad_scaler_skips_an_overflow_on_every_r
     assert ranks[0]["fp16"] == ranks[1]["fp16"]
 
 
-def test_zero_under_a_grad_scaler_skips_an_overflow_on_every_rank(ranks):
-    """ZeroRedundancyOptimizer (partition_group, over DDP) under GradScaler("cpu"), in both
-    APIs (the explicit one finished by plugins.scaling.step_wrapper): an overflow on rank 0
-    only, in the first pass of step 2 and the second pass of step 5, skips those steps on
-    both ranks, counts each once, backs the scale off and leaves no step in flight, as one
-    process under scaler.step(opt) does."""
+@pytest.mark.parametrize("wrapper", ["ZeRO", "OSS"])
+def test_zero_and_oss_under_a_grad_scaler_skip_an_overflow_on_every_rank(ranks, wrapper):
+    """ZeroRedundancyOptimizer and fairscale's OSS (partition_group, over DDP) under
+    GradScaler("cpu"), in both APIs (the explicit one finished by
+    plugins.scaling.step_wrapper): an overflow on rank 0 only, in the first pass of step 2
+    and the second pass of step 5, skips those steps on both ranks, counts each once, backs
+    the scale off and leaves no step in flight, as one process under scaler.step(opt) does."""
+    scaled = ranks[0]["ZeRO scaled"]
+    if wrapper == "OSS" and ("OSS", "SAM", "closure") not in scaled:
+        pytest.skip("fairscale is not installed")
     for rank in ranks:
         scaled = rank["ZeRO scaled"]
         for kind in ("SAM", "VASSO", "GSAM"):
             for api in ("closure", "explicit"):
-                error, taken, scales, in_flight, counted = scaled[(kind, api)]
+                error, taken, scales, in_flight, counted = scaled[(wrapper, kind, api)]
                 ref_taken, ref_scales, ref_in_flight, ref_counted = scaled[("reference", kind, api)]
                 assert (taken, scales) == (ref_taken, ref_scales), (kind, api)
                 assert [t for t, ok in enumerate(taken) if not ok] == [2, 5], (kind, api)
