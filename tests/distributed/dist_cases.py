@@ -619,6 +619,9 @@ def fp16_scaler(faults):
     return out
 
 
+SCALED_KINDS = ("SAM", "VASSO", "GSAM", "ASAM")  # zero_scaler's: each member's own sums and restore
+
+
 def zero_scaler(faults):
     """torch's ZeroRedundancyOptimizer and fairscale's OSS (where installed), each with
     ``partition_group`` over DDP, under a stock torch.amp.GradScaler("cpu"), in both APIs:
@@ -668,7 +671,7 @@ def zero_scaler(faults):
         from fairscale.optim import OSS
     except ImportError:  # (not a dependency of the project): ZeRO's rows alone
         OSS = None
-    for kind in ("SAM", "VASSO", "GSAM"):
+    for kind in SCALED_KINDS:
         cls, knobs = VARIANTS[kind]
         for api in ("closure", "explicit"):
             ref_model = make_model()

@@ -1,6 +1,6 @@
 """Two gloo ranks, one spawn (dist_cases.two_rank_checks): the host waits of a
-distributed step, FSDP2 with mixed precision and with a loss scaler, and wrong use
-refused with an error that says what to pass."""
+distributed step, FSDP2 with mixed precision and with a loss scaler, ZeRO and OSS with a
+loss scaler, and wrong use refused with an error that says what to pass."""
 
 import pytest
 import torch
@@ -207,12 +207,14 @@ def test_zero_and_oss_under_a_grad_scaler_skip_an_overflow_on_every_rank(ranks, 
     plugins.scaling.step_wrapper): an overflow on rank 0 only, in the first pass of step 2
     and the second pass of step 5, skips those steps on both ranks, counts each once, backs
     the scale off and leaves no step in flight, as one process under scaler.step(opt) does."""
+    from dist_cases import SCALED_KINDS
+
     scaled = ranks[0]["ZeRO scaled"]
     if wrapper == "OSS" and ("OSS", "SAM", "closure") not in scaled:
         pytest.skip("fairscale is not installed")
     for rank in ranks:
         scaled = rank["ZeRO scaled"]
-        for kind in ("SAM", "VASSO", "GSAM"):
+        for kind in SCALED_KINDS:
             for api in ("closure", "explicit"):
                 error, taken, scales, in_flight, counted = scaled[(wrapper, kind, api)]
                 ref_taken, ref_scales, ref_in_flight, ref_counted = scaled[("reference", kind, api)]
