@@ -909,7 +909,7 @@ def two_rank_checks():
     """The checks one spawn of 2 ranks runs together: host waits, mixed precision,
     wrong use."""
     return {"host_waits": host_waits(), "bf16": bf16_policy(), "fp16": fp16_scaler([(2, 1), (5, 2)]),
-            "ZeRO scaled": zero_scaler([(2, 1), (5, 2)]),
+            "ZeRO and OSS scaled": zero_scaler([(2, 1), (5, 2)]),
             "refusals": refusals(), "bf16 VASSO": low_precision_vasso(), "late gradient": gradient_set_change(),
             "exchange fallbacks": exchange_fallbacks(), "late owner": late_owner(),
             "one rank non-finite": one_rank_nonfinite(), "ZeRO over a fused base": zero_over_a_fused_base()}

@@ -209,11 +209,11 @@ def test_zero_and_oss_under_a_grad_scaler_skip_an_overflow_on_every_rank(ranks, 
     the scale off and leaves no step in flight, as one process under scaler.step(opt) does."""
     from dist_cases import SCALED_KINDS
 
-    scaled = ranks[0]["ZeRO scaled"]
+    scaled = ranks[0]["ZeRO and OSS scaled"]
     if wrapper == "OSS" and ("OSS", "SAM", "closure") not in scaled:
         pytest.skip("fairscale is not installed")
     for rank in ranks:
-        scaled = rank["ZeRO scaled"]
+        scaled = rank["ZeRO and OSS scaled"]
         for kind in SCALED_KINDS:
             for api in ("closure", "explicit"):
                 error, taken, scales, in_flight, counted = scaled[(wrapper, kind, api)]
@@ -224,7 +224,7 @@ def test_zero_and_oss_under_a_grad_scaler_skip_an_overflow_on_every_rank(ranks, 
                 assert scales[2] < scales[1] and scales[5] < scales[4], (kind, api, scales)
                 assert not in_flight and not ref_in_flight, (kind, api)
                 assert error <= 1e-5, (kind, api, error)
-    assert ranks[0]["ZeRO scaled"] == ranks[1]["ZeRO scaled"]
+    assert ranks[0]["ZeRO and OSS scaled"] == ranks[1]["ZeRO and OSS scaled"]
 
 
 # ------------------------------------------------------------------ wrong use
