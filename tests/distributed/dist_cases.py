@@ -6,6 +6,7 @@ same process: one process with the whole batch (the reference), and the distribu
 setup under test with this rank's slice of it; the ranks' final weights, gathered, and
 their diagnostics are returned beside the reference's."""
 
+import importlib.util
 import warnings
 
 import torch
@@ -133,7 +134,6 @@ def every_setting():
     and fairscale's OSS, against one process.  Returns {(setting, kind): (relative error,
     distributed diagnostics, reference's)} and, under "local sizes", the sizes of this
     rank's FSDP2 shards."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     fully_shard, init_device_mesh = _fsdp()
@@ -181,17 +181,13 @@ def every_setting():
                 step[2].count("read") for step in counted_steps(opt, model, [(x[dp::2], y[dp::2]) for x, y in data],
                                                                api)[1:]]
 
-        cls, knobs = VARIANTS[kind]
         model = DDP(make_model())
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, base_optimizer=torch.optim.AdamW,
-                                       partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs)
+        zero = _zero(kind, model.parameters(), torch.optim.AdamW)
         diags = run(zero, model, mine, api, step_model=model, finish=zero.step, explicit_opt=zero.optim)
         out[("ZeRO", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
 
-        from fairscale.optim import OSS
         model = DDP(make_model())
-        oss = OSS(model.parameters(), optim=cls, base_optimizer=torch.optim.AdamW,
-                  partition_group=PartitionGroup(dist.group.WORLD), rho=0.2, lr=1e-2, **knobs)
+        oss = _oss(kind, model.parameters(), torch.optim.AdamW)
         diags = run(oss, model, mine, api, step_model=model, finish=oss.step, explicit_opt=oss.optim)
         out[("OSS", kind)] = (compare(full(model.parameters()), ref), diags, ref_diags)
     return out
@@ -289,6 +285,15 @@ def _zero(kind, params, base=torch.optim.SGD, **extra):
     cls, knobs = VARIANTS[kind]
     return ZeroRedundancyOptimizer(params, optimizer_class=cls, base_optimizer=base,
                                    partition_group=dist.group.WORLD, rho=0.2, lr=1e-2, **knobs, **extra)
+
+
+def _oss(kind, params, base=torch.optim.SGD):
+    """fairscale's OSS over ``kind``, as :func:`_zero` builds ZeRO (fairscale: not a
+    dependency of the project; the callers check that it is installed)."""
+    from fairscale.optim import OSS
+    cls, knobs = VARIANTS[kind]
+    return OSS(params, optim=cls, base_optimizer=base, partition_group=PartitionGroup(dist.group.WORLD), rho=0.2,
+               lr=1e-2, **knobs)
 
 
 def host_waits():
@@ -667,22 +672,16 @@ def zero_scaler(faults):
             scales.append(scaler.get_scale())
         return taken, scales, in_flight, opt.nonfinite_steps
 
-    try:
-        from fairscale.optim import OSS
-    except ImportError:  # (not a dependency of the project): ZeRO's rows alone
-        OSS = None
+    wrappers = {"ZeRO": _zero, "OSS": _oss} if importlib.util.find_spec("fairscale") else {"ZeRO": _zero}
     for kind in SCALED_KINDS:
-        cls, knobs = VARIANTS[kind]
         for api in ("closure", "explicit"):
             ref_model = make_model()
             ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
             out[("reference", kind, api)] = train(ref_model, ref_opt, ref_opt, api, lambda scaler: scaler.step(ref_opt),
                                                   data, True)
-            for name in ("ZeRO", "OSS") if OSS is not None else ("ZeRO",):
+            for name, build_wrapper in wrappers.items():
                 model = DDP(make_model())
-                wrapper = _zero(kind, model.parameters()) if name == "ZeRO" else OSS(
-                    model.parameters(), optim=cls, base_optimizer=torch.optim.SGD,
-                    partition_group=PartitionGroup(dist.group.WORLD), rho=0.2, lr=1e-2, **knobs)
+                wrapper = build_wrapper(kind, model.parameters())
                 got = train(model, wrapper, wrapper.optim, api,
                             lambda scaler: step_wrapper(scaler, wrapper, wrapper.optim), my_slice(data),
                             dist.get_rank() == 0)
