@@ -638,35 +638,22 @@ def zero_scaler(faults):
     and the reference's under ("reference", kind, api)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from plugins.scaling import step_wrapper
     data = batches(dist.get_world_size(), seed=4) * 2
     out = {}
 
-    def train(model, wrapper, opt, api, finish, data, fault_here):
+    def train(model, opt, data, api, fault_here, wrapper=None):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
         taken, scales, in_flight = [], [], False
         for t, (x, y) in enumerate(data):
-            def backward(pass_):
+            passes = []
+
+            def backward():
+                passes.append(1)
                 loss = F.cross_entropy(model(x), y)
-                scaler.scale(loss * float("inf") if fault_here and (t, pass_) in faults else loss).backward()
+                scaler.scale(loss * float("inf") if fault_here and (t, len(passes)) in faults else loss).backward()
                 return loss
-            before, passes = opt.nonfinite_steps, []
-            if api == "closure":
-                def closure():
-                    passes.append(1)
-                    wrapper.zero_grad()  # (ZeRO's: every parameter's gradient, not only this rank's shard)
-                    return backward(len(passes))
-                wrapper.step(closure, scaler=scaler, **({} if wrapper is opt else {"model": model}))
-            else:
-                rng = rng_state()
-                wrapper.zero_grad()
-                backward(1)
-                if opt.perturb(scaler=scaler):
-                    wrapper.zero_grad()
-                    with opt.second_pass(model, rng):
-                        backward(2)
-                finish(scaler)
-            scaler.update()
+            before = opt.nonfinite_steps
+            protocol_step(opt, model, backward, api, scaler, wrapper)
             in_flight = in_flight or opt.in_flight
             taken.append(opt.nonfinite_steps == before)
             scales.append(scaler.get_scale())
@@ -677,14 +664,11 @@ def zero_scaler(faults):
         for api in ("closure", "explicit"):
             ref_model = make_model()
             ref_opt = build(kind, ref_model.parameters(), torch.optim.SGD)
-            out[("reference", kind, api)] = train(ref_model, ref_opt, ref_opt, api, lambda scaler: scaler.step(ref_opt),
-                                                  data, True)
+            out[("reference", kind, api)] = train(ref_model, ref_opt, data, api, True)
             for name, build_wrapper in wrappers.items():
                 model = DDP(make_model())
                 wrapper = build_wrapper(kind, model.parameters())
-                got = train(model, wrapper, wrapper.optim, api,
-                            lambda scaler: step_wrapper(scaler, wrapper, wrapper.optim), my_slice(data),
-                            dist.get_rank() == 0)
+                got = train(model, wrapper.optim, my_slice(data), api, dist.get_rank() == 0, wrapper)
                 weights = compare([w.detach() for w in model.parameters()],
                                   [w.detach() for w in ref_model.parameters()])
                 out[(name, kind, api)] = (weights,) + got

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import plugins
 from plugins.perturbation import rng_state
+from plugins.scaling import step_wrapper
 
 from .reference import MEMBERS, reference_steps
 from .syncs import CountSyncs, cuda_sync_debug_warnings
@@ -171,24 +172,38 @@ def make_scaler(device: str, **kw):
     raise Skipped(f"torch {torch.__version__} has no CPU GradScaler (torch.amp.GradScaler('cpu'): torch >= 2.3)")
 
 
-def protocol_step(opt, model, backward, api: str, scaler=None):
+def protocol_step(opt, model, backward, api: str, scaler=None, wrapper=None):
     """One step in either API (docs/design.md, "The host protocol"), with a loss scaler or without
     (then ``descend()``): the protocol as the checks and the tests run it.  ``backward()``
     runs the forward and the backward (``scaler.scale(loss).backward()`` with a scaler; it
     may return the loss: the closure API's loss gap); ``step(closure)`` clears the
     gradients before each call itself.  With a scaler, ``scaler.update()`` follows.
-    Returns the first pass's loss (what ``backward()`` returned)."""
+    ``wrapper``: a ZeRO/OSS wrapper over ``opt`` (``partition_group``,
+    docs/distributed.md): the step goes through it (``model=`` to its ``step``), its
+    ``zero_grad()`` clears the gradients (every parameter's, not only ``opt``'s shard), and
+    :func:`plugins.scaling.step_wrapper` (with a scaler) or its ``step()`` ends the
+    explicit API.  Returns the first pass's loss (what ``backward()`` returned)."""
     if api == "closure":
-        loss = opt.step(backward, scaler=scaler)
+        if wrapper is None:
+            loss = opt.step(backward, scaler=scaler)
+        else:
+            def closure():
+                wrapper.zero_grad()
+                return backward()
+            loss = wrapper.step(closure, scaler=scaler, model=model)
     else:
+        clear = (opt if wrapper is None else wrapper).zero_grad
         rng = rng_state()
-        opt.zero_grad()
+        clear()
         loss = backward()
         if opt.perturb(scaler=scaler):
-            opt.zero_grad()
+            clear()
             with opt.second_pass(model, rng):
                 backward()
-        scaler.step(opt) if scaler is not None else opt.descend()
+        if wrapper is None:
+            scaler.step(opt) if scaler is not None else opt.descend()
+        else:
+            step_wrapper(scaler, wrapper, opt) if scaler is not None else wrapper.step()
     if scaler is not None:
         scaler.update()
     return loss
